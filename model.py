@@ -1,0 +1,705 @@
+"""
+nanomixer: masked mixers and their baselines, in one file.
+
+A masked mixer is a transformer whose attention is replaced by a learned n_ctx x n_ctx
+linear mixing over positions, lower-triangular masked so that position t only reads
+positions <= t (Badger, "Masked Mixers for Language Generation and Retrieval").
+
+Conventions shared by every model in this file
+- idx: LongTensor (B, T) of token ids, T <= n_ctx.
+- targets: LongTensor shaped like logits[..., 0]; targets[b, t] is the token logits[b, t]
+  should predict, -1 means "no loss here". The data loader does the shift (nanoGPT's
+  convention); `objective_targets` builds targets for the non-CLM objectives.
+- mask: optional BoolTensor (B, T), True on real tokens, False on padding. Attention uses it
+  as a key-padding mask; masked mixers ignore it, as in the paper (with right padding a pad
+  can only reach positions after it; with left padding the pads are mixed in like tokens).
+- Every language model returns (logits, loss): logits (B, T, vocab_size), loss a scalar or
+  None. `model.hidden(idx)` returns the last hidden states (B, T, d_model) for retrieval.
+"""
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+ARCHS = ('mixer', 'llama', 'gpt', 'hybrid', 'gmlp', 'elita')
+OBJECTIVES = ('clm', 'autoencoder', 'bidirectional', 'mtp2', 'half')
+ELITA_CHUNK = 64  # positions per block of ELiTA's parallel scan
+
+
+@dataclass
+class ModelConfig:
+    arch: str = 'mixer'        # mixer | llama | gpt | hybrid | gmlp | elita
+    vocab_size: int = 4096
+    n_ctx: int = 512           # context window; mixers have position-specific weights, so fixed
+    d_model: int = 512
+    n_layers: int = 8
+    n_heads: int = 0           # 0 = the arch's default: 4 attention heads (paper's optimum), 1 mixer head
+    kernel: int = 1            # mixer Conv1d kernel, sliding along d_model (paper 9.2)
+    expansion: float = 0.0     # 0 = flat mixer; e > 0 = original n -> e*n -> n mixing with GELU
+    n_convs: int = 1           # parallel masked mixings, summed
+    softmax: bool = False      # row softmax over the allowed positions of each mixing
+    pos_emb: bool = False      # learned absolute positions (mixer ablation; GPT always has them)
+    causal: bool = True        # False = unmasked, bidirectional mixing/attention
+    tie_weights: bool = False  # lm_head shares the token embedding
+    objective: str = 'clm'     # clm | autoencoder | bidirectional | mtp2 | half
+
+    def __post_init__(self):
+        def bad(name, allowed):
+            raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is invalid: {allowed}")
+        if self.arch not in ARCHS:
+            bad('arch', f"use one of {', '.join(ARCHS)}")
+        if self.objective not in OBJECTIVES:
+            bad('objective', f"use one of {', '.join(OBJECTIVES)}")
+        for name in ('vocab_size', 'n_ctx', 'd_model', 'n_layers', 'kernel', 'n_convs'):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                bad(name, "must be a positive integer")
+        if self.n_heads == 0:
+            self.n_heads = 4 if self.arch in ('llama', 'gpt', 'hybrid', 'elita') else 1
+        if self.n_heads < 1 or self.d_model % self.n_heads:
+            bad('n_heads', f"must be >= 1 and divide d_model={self.d_model}")
+        if self.arch in ('llama', 'hybrid') and (self.d_model // self.n_heads) % 2:
+            bad('n_heads', "RoPE needs an even head size d_model // n_heads")
+        if self.arch == 'gmlp' and self.n_heads != 1:
+            bad('n_heads', "gmlp has a single spatial projection: leave n_heads at 0 or 1")
+        if self.arch == 'gpt':
+            self.pos_emb = True  # GPT-1 learns absolute positions; this is not optional for it
+        mixing_variant = self.kernel != 1 or self.expansion or self.n_convs != 1 or self.softmax
+        if mixing_variant and self.arch not in ('mixer', 'hybrid'):
+            bad('arch', "kernel, expansion, n_convs and softmax are masked-mixer variants: use arch mixer or hybrid")
+        if self.kernel > self.d_model // (self.n_heads if self.arch == 'mixer' else 1):
+            bad('kernel', "must not exceed the channels it slides along (d_model // n_heads)")
+        if self.expansion < 0 or (self.expansion and int(self.expansion * self.n_ctx) < 1):
+            bad('expansion', "must be 0 (flat) or > 0 with expansion * n_ctx >= 1")
+        if self.expansion and (not self.causal or self.objective == 'bidirectional'):
+            bad('expansion', "the expanded mixing is defined for the causal (tril) mask only")
+        if self.expansion and self.n_convs > 1:
+            bad('n_convs', "parallel mixings are a flat-mixer variant: use expansion=0")
+        if not self.causal and (self.arch == 'elita' or self.objective != 'clm'):
+            bad('causal', "causal=False is for clm-style encoders of arch mixer/llama/gpt/hybrid/gmlp")
+        if self.objective in ('autoencoder', 'bidirectional') and self.arch not in ('mixer', 'llama'):
+            bad('objective', f"{self.objective} is built from mixer or llama blocks: use arch mixer or llama")
+        if self.objective == 'bidirectional' and self.softmax:
+            bad('softmax', "the reverse stream's last rows have no allowed positions to normalise over")
+        if self.objective == 'half' and (self.n_layers < 2 or self.n_ctx < 2):
+            bad('n_layers', "half-sequence prediction needs n_layers >= 2 (encoder + decoder halves)")
+
+
+@dataclass
+class Ctx:
+    """What a sublayer needs besides x: where x sits in the window, padding, decoding state."""
+    pos: int = 0                              # window position of x[:, 0]
+    mask: Optional[torch.Tensor] = None       # (B, T) True on real tokens (attention only)
+    cache: Optional[dict] = None              # per-module decoding state, keyed by module
+
+
+def allowed_positions(direction, rows, cols, row0, device):
+    """Bool (rows, cols): may output position row0 + i read input position j?"""
+    ones = torch.ones(rows, cols, dtype=torch.bool, device=device)
+    if direction == 'causal':
+        return ones.tril(row0)           # j <= t: the triangular mask that makes mixing causal
+    if direction == 'reverse':
+        return ones.triu(row0 + 2)       # j >= t + 2: bidirectional LM's reverse stream
+    return ones
+
+
+# ----------------------------------------------------------------------------- masked mixing
+
+class Mixing(nn.Module):
+    """Masked linear mixing over positions, per head: out[t] = sum_{s<=t} M[t, s] x[s] + bias[t].
+
+    The weight has shape (n_convs, heads, n_out, n_in, kernel): kernel > 1 is the paper's Conv1d
+    with positions as channels and the kernel sliding along the features ('same' padding).
+    The mask is applied functionally in forward, never by overwriting .data, so masked entries
+    get exactly zero gradient and the optimizer never holds a stale copy.
+    Works on x holding input positions [pos, pos + T) of the window; with ctx.cache it appends
+    them to a cache of earlier inputs, which makes incremental decoding exact.
+    """
+
+    def __init__(self, n_out, n_in, channels, heads=1, kernel=1, n_convs=1, softmax=False,
+                 direction='causal', weight_bound=None, bias_value=None):
+        super().__init__()
+        self.n_out, self.n_in, self.channels, self.heads = n_out, n_in, channels, heads
+        self.kernel, self.softmax, self.direction = kernel, softmax, direction
+        bound = 1 / math.sqrt(n_in * kernel)  # nn.Conv1d's default init, as the paper used
+        w = torch.empty(n_convs, heads, n_out, n_in, kernel).uniform_(-1, 1)
+        self.weight = nn.Parameter(w * (bound if weight_bound is None else weight_bound))
+        b = torch.empty(heads, n_out, 1).uniform_(-bound, bound)
+        self.bias = nn.Parameter(b if bias_value is None else torch.full_like(b, bias_value))
+
+    def matrix(self, row0, rows, cols):
+        """The masked mixing weights for output rows [row0, row0+rows) and inputs [0, cols)."""
+        w = self.weight[:, :, row0:row0 + rows, :cols]              # (P, H, R, C, k)
+        if self.direction == 'none':
+            m = w.softmax(dim=3) if self.softmax else w
+        else:
+            keep = allowed_positions(self.direction, rows, cols, row0, w.device)[:, :, None]
+            if self.softmax:
+                m = w.masked_fill(~keep, float('-inf')).softmax(dim=3)  # rows sum to 1 over s <= t
+            else:
+                m = w.masked_fill(~keep, 0.0)                           # <- causality lives here
+        return m.sum(0)                                             # parallel mixings add up
+
+    def forward(self, x, ctx, t_new):
+        """x (B, H, T_in, c): inputs at positions [pos, pos + T_in); returns the outputs at window
+        positions [pos, pos + t_new) that exist (rows past n_out, as in e < 1, are absent)."""
+        p0, t_in = ctx.pos, x.shape[2]
+        if ctx.cache is not None:
+            buf = ctx.cache.get(self)
+            if buf is None or p0 == 0:
+                buf = x.new_zeros(x.shape[0], self.heads, self.n_in, self.channels)
+                ctx.cache[self] = buf
+            buf[:, :, p0:p0 + t_in] = x
+            x = buf[:, :, :p0 + t_in]
+        elif p0 != 0:
+            raise ValueError("Mixing without a cache must start at window position 0")
+        cols, rows = x.shape[2], max(0, min(self.n_out, p0 + t_new) - p0)
+        if rows == 0:  # an e < 1 expanded mixing has no hidden rows past e * n_ctx
+            return x.new_zeros(x.shape[0], self.heads, 0, self.channels)
+        m = self.matrix(p0, rows, cols)                             # (H, R, C, k)
+        if self.kernel == 1:
+            y = torch.matmul(m[..., 0], x)                          # (B, H, R, c)
+        else:  # grouped Conv1d: positions are channels, the kernel slides along c
+            x = F.pad(rearrange(x, 'b h s c -> b (h s) c'), ((self.kernel - 1) // 2, self.kernel // 2))
+            y = F.conv1d(x, rearrange(m, 'h r s k -> (h r) s k'), groups=self.heads)  # 'same' size
+            y = rearrange(y, 'b (h r) c -> b h r c', h=self.heads)
+        return y + self.bias[:, p0:p0 + rows]
+
+
+class TokenMixing(nn.Module):
+    """The masked mixer's replacement for attention: flat, expanded, parallel or multi-head."""
+
+    def __init__(self, cfg, direction):
+        super().__init__()
+        d, n = cfg.d_model, cfg.n_ctx
+        self.heads = cfg.n_heads if cfg.arch == 'mixer' else 1  # hybrid: heads belong to attention
+        c = d // self.heads
+        kw = dict(channels=c, heads=self.heads, kernel=cfg.kernel, n_convs=cfg.n_convs,
+                  softmax=cfg.softmax, direction=direction)
+        # fig S6: per-head input projections, a mixing per head, concat, output projection
+        self.proj_in = nn.Linear(d, d) if self.heads > 1 else nn.Identity()
+        self.proj_out = nn.Linear(d, d) if self.heads > 1 else nn.Identity()
+        if cfg.expansion:  # the original MLP-mixer shape: n -> e*n -> n, both rectangular-tril masked
+            m = int(cfg.expansion * n)
+            self.mix, self.mix2 = Mixing(m, n, **kw), Mixing(n, m, **kw)
+        else:
+            self.mix, self.mix2 = Mixing(n, n, **kw), None
+
+    def forward(self, x, ctx):  # (B, T, d) -> (B, T, d)
+        x = rearrange(self.proj_in(x), 'b t (h c) -> b h t c', h=self.heads)
+        t_new = x.shape[2]
+        x = self.mix(x, ctx, t_new)
+        if self.mix2 is not None:  # e > 1: hidden rows >= n_ctx are never read under the mask
+            x = self.mix2(F.gelu(x), ctx, t_new)
+        return self.proj_out(rearrange(x, 'b h t c -> b t (h c)'))
+
+
+# ----------------------------------------------------------------------------- attention
+
+def attention_mask(direction, pos, t, s, key_mask, device):
+    """(attn_mask, is_causal) for SDPA: queries at [pos, pos+t), keys at [0, s)."""
+    if key_mask is None and direction == 'none':
+        return None, False
+    if key_mask is None and direction == 'causal' and (t == s or t == 1):
+        return None, t > 1
+    q = torch.arange(pos, pos + t, device=device)[:, None]
+    k = torch.arange(s, device=device)[None, :]
+    allowed = {'causal': k <= q, 'reverse': (k >= q + 2) | (k == q), 'none': k >= 0}[direction]
+    if key_mask is not None:  # padding keys are never read, but a query may always read itself,
+        allowed = allowed & (key_mask[:, None, None, :] | (k == q))  # so no row is empty (no NaN)
+    return allowed, False
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention. llama/hybrid: RoPE, no biases; gpt: biases (positions are learned)."""
+
+    def __init__(self, cfg, direction):
+        super().__init__()
+        d, self.heads, self.direction, self.n_ctx = cfg.d_model, cfg.n_heads, direction, cfg.n_ctx
+        self.rope = cfg.arch != 'gpt'
+        self.qkv = nn.Linear(d, 3 * d, bias=not self.rope)
+        self.proj = nn.Linear(d, d, bias=not self.rope)
+        hd = d // self.heads
+        if self.rope:
+            inv_freq = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+            angle = torch.outer(torch.arange(cfg.n_ctx).float(), inv_freq)   # (n_ctx, hd/2)
+            self.register_buffer('cos', angle.cos(), persistent=False)
+            self.register_buffer('sin', angle.sin(), persistent=False)
+
+    def rotate(self, x, pos):  # RoPE on (B, H, T, hd); pairs are (x[j], x[j + hd/2])
+        cos, sin = self.cos[pos:pos + x.shape[2]], self.sin[pos:pos + x.shape[2]]
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+
+    def forward(self, x, ctx):  # (B, T, d) -> (B, T, d)
+        q, k, v = rearrange(self.qkv(x), 'b t (n h c) -> n b h t c', n=3, h=self.heads)
+        if self.rope:
+            q, k = self.rotate(q, ctx.pos), self.rotate(k, ctx.pos)
+        if ctx.cache is not None:  # KV cache
+            kv = ctx.cache.get(self)
+            if kv is None or ctx.pos == 0:
+                kv = ctx.cache[self] = k.new_zeros(2, *k.shape[:2], self.n_ctx, k.shape[-1])
+            kv[0, :, :, ctx.pos:ctx.pos + k.shape[2]] = k
+            kv[1, :, :, ctx.pos:ctx.pos + k.shape[2]] = v
+            k, v = kv[0, :, :, :ctx.pos + k.shape[2]], kv[1, :, :, :ctx.pos + k.shape[2]]
+        mask, is_causal = attention_mask(self.direction, ctx.pos, q.shape[2], k.shape[2], ctx.mask, x.device)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        return self.proj(rearrange(y, 'b h t c -> b t (h c)'))
+
+
+class Attention2(nn.Module):
+    """ELiTA's linear-time attention (seed 001). Per head, with scalar projections K1, K2, K3 and
+    sinusoidal positions p1, p2 (P(i, j) = c.p1_j + c.p2_i):
+        y_i = (e^{K2 x_i} V x_i + e^{c.p2_i + K3 x_i} sum_{j<=i} e^{K1 x_j + c.p1_j} V x_j)
+              / (e^{K2 x_i} + e^{c.p2_i + K3 x_i} sum_{j<=i} e^{K1 x_j + c.p1_j})
+    The running sums are kept relative to a running maximum (blockwise, exact and causal), and
+    the same scan with one position per block is the O(1)-state recurrent decoder.
+    """
+
+    def __init__(self, cfg):
+        super().__init__()
+        d, h = cfg.d_model, cfg.n_heads
+        self.heads, self.n_ctx, hd = h, cfg.n_ctx, d // h
+        self.keys = nn.Linear(d, 3 * h, bias=False)   # K1 (sum logit), K2 (diagonal), K3 (query)
+        self.value = nn.Linear(d, d, bias=False)
+        self.proj = nn.Linear(d, d)
+        self.freq = nn.Parameter(2 * math.pi * 8 * torch.rand(2, h, hd))   # a1, a2
+        self.phase = nn.Parameter(2 * math.pi * torch.rand(2, h, hd))      # b1, b2
+        self.c = nn.Parameter(torch.randn(h, hd) / math.sqrt(hd))
+
+    def forward(self, x, ctx):  # (B, T, d) -> (B, T, d)
+        B, T, _ = x.shape
+        dt = torch.promote_types(x.dtype, torch.float32)  # the scan runs in at least fp32
+        i = torch.arange(ctx.pos, ctx.pos + T, device=x.device, dtype=dt) / self.n_ctx
+        p = torch.sin(i[None, None, :, None] * self.freq[:, :, None] + self.phase[:, :, None])
+        p = (p * self.c[None, :, None]).sum(-1)                         # (2, H, T): c.p1_j, c.p2_i
+        k1, k2, k3 = rearrange(self.keys(x).to(dt), 'b t (n h) -> n b h t', n=3)
+        s, diag, q = k1 + p[0], k2, k3 + p[1]                          # (B, H, T) logits
+        v = rearrange(self.value(x).to(dt), 'b t (h c) -> b h t c', h=self.heads)
+        state = ctx.cache.get(self) if ctx.cache is not None and ctx.pos > 0 else None
+        if state is None:  # empty sums: running max -inf, sums 0
+            state = (s.new_full((B, self.heads), float('-inf')), v.new_zeros(B, self.heads, v.shape[-1]),
+                     s.new_zeros(B, self.heads))
+        ys = []
+        for a in range(0, T, ELITA_CHUNK):
+            y, state = self.scan(s[..., a:a + ELITA_CHUNK], diag[..., a:a + ELITA_CHUNK],
+                                 q[..., a:a + ELITA_CHUNK], v[:, :, a:a + ELITA_CHUNK], state)
+            ys.append(y)
+        if ctx.cache is not None:
+            ctx.cache[self] = state
+        y = torch.cat(ys, dim=2).type_as(x)
+        return self.proj(rearrange(y, 'b h t c -> b t (h c)'))
+
+    @staticmethod
+    def scan(s, diag, q, v, state):
+        """One block of positions: y and the carried (max m, sum S e^-m, sum Z e^-m)."""
+        m0, S0, Z0 = state
+        m = torch.maximum(m0[..., None], s.cummax(dim=-1).values)     # (B, H, L) running max
+        L = s.shape[-1]
+        causal = torch.ones(L, L, dtype=torch.bool, device=s.device).tril()
+        w = (s[..., None, :] - m[..., :, None]).masked_fill(~causal, float('-inf')).exp()  # (B,H,L,L)
+        decay = torch.exp(m0[..., None] - m)                           # rescale the carried sums
+        S = decay[..., None] * S0[:, :, None] + w @ v                  # (B, H, L, c)
+        Z = decay * Z0[..., None] + w.sum(-1)                          # (B, H, L)
+        top = torch.maximum(diag, q + m)
+        a, b = torch.exp(diag - top), torch.exp(q + m - top)
+        y = (a[..., None] * v + b[..., None] * S) / (a + b * Z)[..., None]
+        return y, (m[..., -1], S[:, :, -1], Z[..., -1])
+
+
+# ----------------------------------------------------------------------------- feed-forwards
+
+class MLP(nn.Module):
+    """Position-wise d -> hidden -> d with GELU (the mixer's and GPT's feed-forward)."""
+
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.fc, self.out = nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x, ctx=None):
+        return self.out(F.gelu(self.fc(x)))
+
+
+class SwiGLU(nn.Module):
+    """Llama's gated feed-forward: w2(silu(w1 x) * w3 x), no biases."""
+
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.w13 = nn.Linear(d, 2 * hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x, ctx=None):
+        a, b = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(a) * b)
+
+
+class FeedForward2(nn.Module):
+    """ELiTA's feed-forward: y = W3 (silu(W1 x + b1) outer silu(W2 x + b2)) + b3, scale 8."""
+
+    def __init__(self, d, scale=8):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(d, d), nn.Linear(d, scale)
+        self.w3 = nn.Linear(d * scale, d)   # the i,j,ijk->k einsum as one matmul
+
+    def forward(self, x, ctx=None):
+        outer = F.silu(self.w1(x))[..., :, None] * F.silu(self.w2(x))[..., None, :]
+        return self.w3(outer.flatten(-2))
+
+
+class GatedMLP(nn.Module):
+    """gMLP's block body (seed 002): up-projection, GELU, Spatial Gating Unit, down-projection.
+    SGU: split channels into u, v; v = spatial(LayerNorm(v)) with a masked n_ctx x n_ctx
+    projection initialised near W = 0, b = 1 (so the block starts as a plain FFN); out u * v."""
+
+    def __init__(self, cfg, direction, ffn_mult=6):
+        super().__init__()
+        d, half = cfg.d_model, ffn_mult * cfg.d_model // 2
+        self.up, self.down = nn.Linear(d, 2 * half), nn.Linear(half, d)
+        self.norm = nn.LayerNorm(half)
+        self.spatial = Mixing(cfg.n_ctx, cfg.n_ctx, half, direction=direction,
+                              weight_bound=0.01 / cfg.n_ctx, bias_value=1.0)
+
+    def forward(self, x, ctx):
+        u, v = F.gelu(self.up(x)).chunk(2, dim=-1)
+        v = self.spatial(self.norm(v)[:, None], ctx, v.shape[1])[:, 0]
+        return self.down(u * v)
+
+
+# ----------------------------------------------------------------------------- blocks and models
+
+class Block(nn.Module):
+    """One residual block: a list of (norm, sublayer) pairs; pre-norm, except GPT-1's post-norm."""
+
+    def __init__(self, cfg, direction):
+        super().__init__()
+        d, arch = cfg.d_model, cfg.arch
+        if arch == 'mixer':
+            layers = [TokenMixing(cfg, direction), MLP(d, 4 * d)]
+        elif arch == 'llama':
+            layers = [Attention(cfg, direction), SwiGLU(d, 4 * d)]
+        elif arch == 'hybrid':  # the seed's best ordering: masked mixing right after attention
+            layers = [Attention(cfg, direction), TokenMixing(cfg, direction), SwiGLU(d, 4 * d)]
+        elif arch == 'gpt':
+            layers = [Attention(cfg, direction), MLP(d, 4 * d)]
+        elif arch == 'gmlp':
+            layers = [GatedMLP(cfg, direction)]
+        else:
+            layers = [Attention2(cfg), FeedForward2(d)]
+        norm = (lambda: nn.RMSNorm(d, eps=1e-6)) if arch in ('llama', 'hybrid') else (lambda: nn.LayerNorm(d))
+        self.layers = nn.ModuleList(layers)
+        self.norms = nn.ModuleList(norm() for _ in layers)
+        self.post_norm = arch == 'gpt'
+
+    def forward(self, x, ctx):
+        for norm, layer in zip(self.norms, self.layers):
+            x = norm(x + layer(x, ctx)) if self.post_norm else x + layer(norm(x), ctx)
+        return x
+
+
+class Backbone(nn.Module):
+    """Token embedding (optional) -> positions (optional) -> blocks -> final norm."""
+
+    def __init__(self, cfg, direction='causal', embed=True):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.wte = nn.Embedding(cfg.vocab_size, d) if embed else None
+        self.wpe = nn.Embedding(cfg.n_ctx, d) if cfg.pos_emb else None
+        self.blocks = nn.ModuleList(Block(cfg, direction) for _ in range(cfg.n_layers))
+        final = {'llama': lambda: nn.RMSNorm(d, eps=1e-6), 'hybrid': lambda: nn.RMSNorm(d, eps=1e-6),
+                 'gmlp': lambda: nn.LayerNorm(d), 'elita': lambda: nn.LayerNorm(d)}
+        self.norm = final.get(cfg.arch, nn.Identity)()  # the paper's mixer and GPT-1 have none
+
+    def forward(self, x, ctx):  # idx (B, T) or embeddings (B, T, d) -> (B, T, d)
+        if self.wte is not None:
+            check_tokens(x, self.cfg, ctx.pos)
+            x = self.wte(x)
+        elif ctx.pos + x.shape[1] > self.cfg.n_ctx:
+            raise ValueError(f"sequence of {x.shape[1]} positions exceeds n_ctx={self.cfg.n_ctx}")
+        if self.wpe is not None:
+            x = x + self.wpe.weight[ctx.pos:ctx.pos + x.shape[1]]
+        split = self.cfg.n_layers // 2 if self.cfg.objective == 'half' else -1
+        for i, block in enumerate(self.blocks):
+            if i == split:  # half-sequence prediction: the second half only sees the first half
+                keep = torch.arange(ctx.pos, ctx.pos + x.shape[1], device=x.device) < self.cfg.n_ctx // 2
+                x = x * keep[None, :, None]
+            x = block(x, ctx)
+        return self.norm(x)
+
+
+def check_tokens(idx, cfg, pos=0):
+    if idx.dim() != 2:
+        raise ValueError(f"idx must be (B, T) token ids, got shape {tuple(idx.shape)}")
+    if pos + idx.shape[1] > cfg.n_ctx:
+        raise ValueError(f"sequence of {pos + idx.shape[1]} tokens exceeds n_ctx={cfg.n_ctx}: "
+                         f"crop it or train with a larger n_ctx")
+    if not torch.compiler.is_compiling() and idx.numel() and (idx.min() < 0 or idx.max() >= cfg.vocab_size):
+        raise ValueError(f"token ids must lie in [0, vocab_size={cfg.vocab_size}), got "
+                         f"[{int(idx.min())}, {int(idx.max())}]")
+
+
+def lm_loss(logits, targets):
+    """Mean cross-entropy over the positions whose target is not -1."""
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-1)
+
+
+def init_weights(model, cfg):
+    """Transformers get the usual N(0, 0.02) init (HF Llama / GPT-1); mixers keep PyTorch's
+    defaults, as the paper did. Mixing weights keep their own (Conv1d-style) init."""
+    if cfg.arch not in ('llama', 'gpt', 'hybrid'):
+        return
+    for mod in model.modules():
+        if isinstance(mod, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(mod.weight, std=0.02)
+            if getattr(mod, 'bias', None) is not None:
+                nn.init.zeros_(mod.bias)
+
+
+class LanguageModel(nn.Module):
+    """A next-token model of any arch: Backbone + lm head (objectives clm, mtp2 and half)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.backbone = Backbone(cfg, 'causal' if cfg.causal else 'none')
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        init_weights(self, cfg)
+        if cfg.tie_weights:
+            self.lm_head.weight = self.backbone.wte.weight
+
+    def hidden(self, idx, mask=None):
+        """Last hidden states (B, T, d_model), the input of the lm head."""
+        return self.backbone(idx, Ctx(mask=mask))
+
+    def forward(self, idx, targets=None, mask=None):
+        logits = self.lm_head(self.hidden(idx, mask))
+        loss = None
+        if targets is not None:
+            loss = lm_loss(logits, targets)
+            if self.cfg.objective == 'mtp2':  # paper 5.2: a second pass on the model's own argmax
+                logits2 = self.lm_head(self.hidden(logits.argmax(-1), mask))  # logits2[t] -> token t+2
+                loss = loss + lm_loss(logits2[:, :-1], targets[:, 1:])
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, **kw):
+        """idx (B, T0) -> (B, T0 + max_new_tokens). Keyword arguments as in `stream`."""
+        new = [tok[:, None] for tok, _ in self.stream(idx, max_new_tokens, **kw)]
+        return torch.cat([idx] + new, dim=1)
+
+    @torch.no_grad()
+    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
+               method='cache', generator=None):
+        """Yield (token (B,), logits (B, vocab)) for each new token.
+
+        method='window' is the paper's fixed-window generation (§4.2): the prompt sits at the
+        start of the n_ctx window, each new token is written at the next position and the whole
+        window is run again: O(n^3 d) per window for a mixer. method='cache' keeps, per layer,
+        what each position contributed (mixer inputs, keys/values, ELiTA's running sums) and
+        runs only the new position: O(n^2 d), the same numbers up to float rounding.
+        When the window is full both methods slide alike: the last n_ctx/2 tokens are
+        re-encoded at the window start, so they agree for any length.
+        """
+        cfg = self.cfg
+        if cfg.objective == 'half' or not cfg.causal:
+            raise ValueError("generation needs a causal next-token model (objective clm or mtp2)")
+        if method not in ('cache', 'window'):
+            raise ValueError(f"method={method!r}: use 'cache' or 'window'")
+        n = cfg.n_ctx
+        cache = {} if method == 'cache' else None
+
+        def next_logits(window, new):  # logits after `window`, whose last `new` tokens are unseen
+            length = window.shape[1]
+            if cache is None:  # one full forward over the padded window (causal: filler is unseen)
+                h = self.backbone(F.pad(window, (0, n - length)), Ctx())[:, length - 1]
+            else:
+                h = self.backbone(window[:, length - new:], Ctx(pos=length - new, cache=cache))[:, -1]
+            return self.lm_head(h).float()
+
+        window = idx[:, -n:]
+        logits = next_logits(window, window.shape[1])
+        for _ in range(max_new_tokens):
+            tok = sample_token(logits, temperature, top_k, top_p, generator)
+            yield tok, logits
+            window = torch.cat([window, tok[:, None]], dim=1)
+            if window.shape[1] > n:  # slide: re-encode the last n/2 tokens at the window start
+                window = window[:, -(n // 2):]
+                logits = next_logits(window, window.shape[1])
+            else:
+                logits = next_logits(window, 1)
+
+
+def sample_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """One token per row of logits (B, V); temperature 0 is greedy."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float('-inf'))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > top_p   # keep the smallest prefix reaching top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float('-inf'))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+class BidirectionalLM(nn.Module):
+    """Paper §5.1, fig S11: a forward stream (tril) and a reverse stream (triu, offset 2) that
+    are added once, before the lm head, so logits[t] predicts token t+1 from tokens <= t and
+    >= t+2 and every token is trained in one pass. Mixing the streams more than once would
+    let token t+1 flow back into its own prediction."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.fwd = Backbone(cfg, 'causal', embed=False)
+        self.rev = Backbone(cfg, 'reverse', embed=False)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        init_weights(self, cfg)
+        if cfg.tie_weights:
+            self.lm_head.weight = self.wte.weight
+
+    def hidden(self, idx, mask=None):
+        check_tokens(idx, self.cfg)
+        x, ctx = self.wte(idx), Ctx(mask=mask)
+        return self.fwd(x, ctx) + self.rev(x, ctx)
+
+    def forward(self, idx, targets=None, mask=None):
+        logits = self.lm_head(self.hidden(idx, mask))
+        return logits, None if targets is None else lm_loss(logits, targets)
+
+
+class Autoencoder(nn.Module):
+    """Paper §5.3, fig 8: the encoder's last-token last hidden state, repeated n positions, is
+    the decoder's only input; the decoder (blocks without token embedding) predicts every input
+    token, unshifted. arch mixer: masked-mixer encoder/decoder; arch llama: transformer ones."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = Backbone(cfg)
+        self.decoder = Backbone(cfg, embed=False)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        init_weights(self, cfg)
+        if cfg.tie_weights:
+            self.lm_head.weight = self.encoder.wte.weight
+
+    def hidden(self, idx, mask=None):
+        """Encoder hidden states (B, T, d_model); its last position is the sequence embedding."""
+        return self.encoder(idx, Ctx(mask=mask))
+
+    def encode(self, idx, mask=None):  # (B, T) -> (B, d_model)
+        return self.hidden(idx, mask)[:, -1]
+
+    def decode(self, z, length):  # (B, d_model) -> logits (B, length, vocab)
+        return self.lm_head(self.decoder(z[:, None, :].expand(-1, length, -1), Ctx()))
+
+    def forward(self, idx, targets=None, mask=None):
+        logits = self.decode(self.encode(idx, mask), idx.shape[1])
+        return logits, None if targets is None else lm_loss(logits, targets)
+
+
+class RetrievalMixer(nn.Module):
+    """Paper §6.2, fig 9: a bidirectional mixer over c embeddings [query, target_1 .. target_{c-1}]
+    (no token embedding, no lm head) with a d_model -> 1 head: one logit per target."""
+
+    def __init__(self, d_model, n_layers, c):
+        super().__init__()
+        self.cfg = ModelConfig(arch='mixer', vocab_size=1, n_ctx=c, d_model=d_model, n_layers=n_layers,
+                               causal=False)
+        self.backbone = Backbone(self.cfg, 'none', embed=False)
+        self.head = nn.Linear(d_model, 1)
+
+    def forward(self, x, labels=None):  # x (B, c, d) -> logits (B, c - 1); labels index targets
+        logits = self.head(self.backbone(x, Ctx()))[..., 0][:, 1:]
+        return logits, None if labels is None else F.cross_entropy(logits.float(), labels)
+
+
+def build_model(cfg):
+    """The model for cfg.objective: LanguageModel, Autoencoder or BidirectionalLM."""
+    return {'autoencoder': Autoencoder, 'bidirectional': BidirectionalLM}.get(cfg.objective, LanguageModel)(cfg)
+
+
+def objective_targets(objective, x, y, mask=None):
+    """Targets for an objective from the loader's inputs x and next-token targets y (-1 = ignore).
+    mask: (B, T) True on real tokens of x (None = no padding)."""
+    if objective in ('clm', 'mtp2', 'bidirectional'):
+        return y
+    t = x if mask is None else x.masked_fill(~mask, -1)      # autoencoder: every input token
+    if objective == 'half':                                   # predict the second half from the first
+        t = t.clone()
+        t[:, :x.shape[1] // 2] = -1
+    return t
+
+
+# ----------------------------------------------------------------------------- accounting
+
+def param_counts(model):
+    """Parameters split as the paper does: token mixing (mixings, attention), feed-forward,
+    embedding (token/position tables and lm head) and other (norms, heads)."""
+    groups = {'mixing': (TokenMixing, Mixing, Attention, Attention2),
+              'feedforward': (MLP, SwiGLU, FeedForward2, GatedMLP)}
+    counts, seen = dict(mixing=0, feedforward=0, embedding=0, other=0), set()
+
+    def add(kind, params):
+        for p in params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                counts[kind] += p.numel()
+
+    for kind, types in groups.items():
+        for mod in model.modules():
+            if isinstance(mod, types):
+                add(kind, mod.parameters())
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Embedding) or name.endswith('lm_head'):
+            add('embedding', mod.parameters())
+    add('other', model.parameters())
+    counts['total'] = sum(counts.values())
+    return counts
+
+
+def flops_per_token(cfg):
+    """Training FLOPs per token, counted the PaLM way: 6 x (parameters used in matmuls: all but
+    the embedding tables and the mixers' position-mixing weights; the lm head included), plus
+    per layer 6 n_ctx d_model per masked mixing (x kernel, x2 for expanded: 12 e n_ctx d) and
+    12 n_ctx d_model per attention. No discount for the causal mask. mtp2 runs two passes."""
+    with torch.device('meta'):
+        model = build_model(cfg)
+    matmul_params = {id(p): p.numel() for p in model.parameters()}
+    for mod in model.modules():
+        if isinstance(mod, nn.Embedding) and mod.weight is not getattr(model, 'lm_head', None).weight:
+            matmul_params.pop(id(mod.weight), None)
+    flops = 0
+    for mod in model.modules():
+        if isinstance(mod, Mixing):
+            matmul_params.pop(id(mod.weight), None)
+            flops += 6 * mod.heads * mod.n_out * mod.n_in * mod.channels * mod.kernel / cfg.n_ctx
+        elif isinstance(mod, Attention):
+            flops += 12 * cfg.n_ctx * cfg.d_model
+        elif isinstance(mod, Attention2):
+            flops += 6 * min(ELITA_CHUNK, cfg.n_ctx) * cfg.d_model
+    flops += 6 * sum(matmul_params.values())
+    return flops * (2 if cfg.objective == 'mtp2' else 1)
+
+
+def measure_peak_flops(device='cpu', dtype=torch.bfloat16, n=2048, reps=8):
+    """The denominator of MFU: best observed FLOP/s of a dense n x n matmul in dtype on device."""
+    import time
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    sync = torch.cuda.synchronize if torch.device(device).type == 'cuda' else (lambda: None)
+    best = float('inf')
+    for _ in range(reps + 1):  # the first run warms up
+        sync()
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
