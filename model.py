@@ -111,7 +111,7 @@ def allowed_positions(direction, rows, cols, row0, device):
 class Mixing(nn.Module):
     """Masked linear mixing over positions, per head: out[t] = sum_{s<=t} M[t, s] x[s] + bias[t].
 
-    The weight has shape (n_convs, heads, n_out, n_in, kernel): kernel > 1 is the paper's Conv1d
+    The weight has shape (n_convs, heads, kernel, n_out, n_in): kernel > 1 is the paper's Conv1d
     with positions as channels and the kernel sliding along the features ('same' padding).
     The mask is applied functionally in forward, never by overwriting .data, so masked entries
     get exactly zero gradient and the optimizer never holds a stale copy.
@@ -125,22 +125,23 @@ class Mixing(nn.Module):
         self.n_out, self.n_in, self.channels, self.heads = n_out, n_in, channels, heads
         self.kernel, self.softmax, self.direction = kernel, softmax, direction
         bound = 1 / math.sqrt(n_in * kernel)  # nn.Conv1d's default init, as the paper used
-        w = torch.empty(n_convs, heads, n_out, n_in, kernel).uniform_(-1, 1)
+        w = torch.empty(n_convs, heads, kernel, n_out, n_in).uniform_(-1, 1)
         self.weight = nn.Parameter(w * (bound if weight_bound is None else weight_bound))
         b = torch.empty(heads, n_out, 1).uniform_(-bound, bound)
         self.bias = nn.Parameter(b if bias_value is None else torch.full_like(b, bias_value))
 
     def matrix(self, row0, rows, cols):
-        """The masked mixing weights for output rows [row0, row0+rows) and inputs [0, cols)."""
-        w = self.weight[:, :, row0:row0 + rows, :cols]              # (P, H, R, C, k)
-        if self.direction == 'none':
-            m = w.softmax(dim=3) if self.softmax else w
+        """Masked weights (heads, kernel, rows, cols) for outputs [row0, row0+rows), inputs [0, cols)."""
+        w = self.weight[..., row0:row0 + rows, :cols]               # (P, H, k, R, C)
+        if self.softmax:  # mask with -inf *before* the softmax, so the future gets no weight
+            keep = allowed_positions(self.direction, rows, cols, row0, w.device)
+            m = w.masked_fill(~keep, float('-inf')).softmax(dim=-1)
+        elif self.direction == 'causal':
+            m = w.tril(row0)       # <- causality lives here: output t reads only inputs s <= t
+        elif self.direction == 'reverse':
+            m = w.triu(row0 + 2)   # bidirectional LM's reverse stream: inputs s >= t + 2
         else:
-            keep = allowed_positions(self.direction, rows, cols, row0, w.device)[:, :, None]
-            if self.softmax:
-                m = w.masked_fill(~keep, float('-inf')).softmax(dim=3)  # rows sum to 1 over s <= t
-            else:
-                m = w.masked_fill(~keep, 0.0)                           # <- causality lives here
+            m = w
         return m.sum(0)                                             # parallel mixings add up
 
     def forward(self, x, ctx, t_new):
@@ -159,12 +160,12 @@ class Mixing(nn.Module):
         cols, rows = x.shape[2], max(0, min(self.n_out, p0 + t_new) - p0)
         if rows == 0:  # an e < 1 expanded mixing has no hidden rows past e * n_ctx
             return x.new_zeros(x.shape[0], self.heads, 0, self.channels)
-        m = self.matrix(p0, rows, cols)                             # (H, R, C, k)
+        m = self.matrix(p0, rows, cols)                             # (H, k, R, C)
         if self.kernel == 1:
-            y = torch.matmul(m[..., 0], x)                          # (B, H, R, c)
+            y = torch.matmul(m[:, 0], x)                            # (B, H, R, c)
         else:  # grouped Conv1d: positions are channels, the kernel slides along c
             x = F.pad(rearrange(x, 'b h s c -> b (h s) c'), ((self.kernel - 1) // 2, self.kernel // 2))
-            y = F.conv1d(x, rearrange(m, 'h r s k -> (h r) s k'), groups=self.heads)  # 'same' size
+            y = F.conv1d(x, rearrange(m, 'h k r s -> (h r) s k'), groups=self.heads)  # 'same' size
             y = rearrange(y, 'b (h r) c -> b h r c', h=self.heads)
         return y + self.bias[:, p0:p0 + rows]
 
@@ -667,8 +668,8 @@ def param_counts(model):
 
 
 def flops_per_token(cfg):
-    """Training FLOPs per token, counted the PaLM way: 6 x (parameters used in matmuls: all but
-    the embedding tables and the mixers' position-mixing weights; the lm head included), plus
+    """Training FLOPs per token, counted the PaLM way: 6 x (all parameters but the embedding
+    tables and the mixers' position-mixing weights and biases; the lm head included), plus
     per layer 6 n_ctx d_model per masked mixing (x kernel, x2 for expanded: 12 e n_ctx d) and
     12 n_ctx d_model per attention. No discount for the causal mask. mtp2 runs two passes."""
     with torch.device('meta'):
@@ -681,6 +682,7 @@ def flops_per_token(cfg):
     for mod in model.modules():
         if isinstance(mod, Mixing):
             matmul_params.pop(id(mod.weight), None)
+            matmul_params.pop(id(mod.bias), None)
             flops += 6 * mod.heads * mod.n_out * mod.n_in * mod.channels * mod.kernel / cfg.n_ctx
         elif isinstance(mod, Attention):
             flops += 12 * cfg.n_ctx * cfg.d_model
