@@ -142,7 +142,7 @@ class Mixing(nn.Module):
             m = w.triu(row0 + 2)   # bidirectional LM's reverse stream: inputs s >= t + 2
         else:
             m = w
-        return m.sum(0)                                             # parallel mixings add up
+        return m[0] if len(m) == 1 else m.sum(0)                    # parallel mixings add up
 
     def forward(self, x, ctx, t_new):
         """x (B, H, T_in, c): inputs at positions [pos, pos + T_in); returns the outputs at window
@@ -230,15 +230,15 @@ class Attention(nn.Module):
             self.register_buffer('cos', angle.cos(), persistent=False)
             self.register_buffer('sin', angle.sin(), persistent=False)
 
-    def rotate(self, x, pos):  # RoPE on (B, H, T, hd); pairs are (x[j], x[j + hd/2])
-        cos, sin = self.cos[pos:pos + x.shape[2]], self.sin[pos:pos + x.shape[2]]
+    def rotate(self, x, pos):  # RoPE on (..., T, hd); pairs are (x[j], x[j + hd/2])
+        cos, sin = self.cos[pos:pos + x.shape[-2]], self.sin[pos:pos + x.shape[-2]]
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
     def forward(self, x, ctx):  # (B, T, d) -> (B, T, d)
-        q, k, v = rearrange(self.qkv(x), 'b t (n h c) -> n b h t c', n=3, h=self.heads)
+        q, k, v = qkv = rearrange(self.qkv(x), 'b t (n h c) -> n b h t c', n=3, h=self.heads)
         if self.rope:
-            q, k = self.rotate(q, ctx.pos), self.rotate(k, ctx.pos)
+            q, k = self.rotate(qkv[:2], ctx.pos)
         if ctx.cache is not None:  # KV cache
             kv = ctx.cache.get(self)
             if kv is None or ctx.pos == 0:
@@ -437,7 +437,8 @@ def check_tokens(idx, cfg, pos=0):
     if pos + idx.shape[1] > cfg.n_ctx:
         raise ValueError(f"sequence of {pos + idx.shape[1]} tokens exceeds n_ctx={cfg.n_ctx}: "
                          f"crop it or train with a larger n_ctx")
-    if not torch.compiler.is_compiling() and idx.numel() and (idx.min() < 0 or idx.max() >= cfg.vocab_size):
+    checked = pos == 0 and not torch.compiler.is_compiling()  # decode steps feed sampled ids: no sync
+    if checked and idx.numel() and (idx.min() < 0 or idx.max() >= cfg.vocab_size):
         raise ValueError(f"token ids must lie in [0, vocab_size={cfg.vocab_size}), got "
                          f"[{int(idx.min())}, {int(idx.max())}]")
 

@@ -1,0 +1,190 @@
+"""
+Sample text from a model trained with train.py; tokens stream to stdout as they are generated.
+
+    python sample.py --prompt="def main("                       # out/best.pt (else out/ckpt.pt)
+    python sample.py --ckpt=out/ckpt.pt --prompt=FILE:start.py --num_samples=3 --top_k=50
+    python sample.py --prompt="def main(" --temperature=0       # greedy
+    python sample.py --prompt="def main(" --method=window       # the paper's generation, for comparison
+
+A masked mixer has position-specific weights over a fixed window of n_ctx positions, so it
+decodes inside that window. Both methods live in model.py (LanguageModel.stream):
+  window  the paper's method (§4.2): the prompt sits at the start of the window, each new token is
+          written at the next position and the whole window is run again. One forward costs
+          O(n^2 d) for the mixing (plus O(n d^2) for the rest), so a window of n tokens costs O(n^3 d).
+  cache   (default) position t's output depends only on positions <= t, so each layer keeps the
+          inputs its mixing has already seen and a new token needs only its own row of every
+          mixing: O(n d) per layer and token, O(n^2 d) per window — the analog of a transformer's
+          KV cache. It computes the same numbers as `window` (tests check tokens and logits).
+When the window is full, both keep its last n_ctx/2 tokens, re-encode them at the window start
+and continue. Transformers use their KV cache (ELiTA: its recurrent running sums) for `cache`,
+and plain full recomputation of the window for `window`.
+"""
+import argparse
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+
+from prepare import Tokenizer
+from train import load_checkpoint, model_from_checkpoint
+
+DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump: main() prints it as "error: ..."
+        raise ValueError(message)
+
+
+def parse_args(argv):
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+               epilog='Temperature 0 is greedy. top_k and top_p filter before sampling; both may be given.')
+    p.add_argument('--out_dir', help="train.py's out_dir: samples from best.pt, else ckpt.pt (default out)")
+    p.add_argument('--ckpt', help='a checkpoint file (instead of --out_dir)')
+    p.add_argument('--prompt', default='', help='text to continue, or FILE:path to read it from a file '
+                   '(default empty: start a new document)')
+    p.add_argument('--num_samples', type=int, default=1, help='printed one after another, between lines of dashes')
+    p.add_argument('--max_new_tokens', type=int, default=256, help='at most (default 256); a sample ends '
+                   'earlier when the model ends the document')
+    p.add_argument('--temperature', type=float, default=0.8, help='>= 0; 0 = greedy (default 0.8)')
+    p.add_argument('--top_k', type=int, default=None, help='keep the k most likely tokens (>= 1)')
+    p.add_argument('--top_p', type=float, default=1.0, help='nucleus sampling mass in (0, 1]; 1 = off')
+    p.add_argument('--seed', type=int, default=1337, help='same seed, same samples (default 1337)')
+    p.add_argument('--method', choices=('cache', 'window'), default='cache',
+                   help='cache (exact, O(n^2 d) per window) or window (the paper, O(n^3 d)); '
+                        'for transformers, window is full recomputation without the KV cache')
+    p.add_argument('--device', default='auto', help='auto = cuda if available, else cpu')
+    p.add_argument('--dtype', choices=tuple(DTYPES), default=None,
+                   help='autocast dtype (default float32 on cpu, bfloat16 on cuda)')
+    args = p.parse_args(argv)
+    if args.out_dir and args.ckpt:
+        raise ValueError('give --out_dir or --ckpt, not both')
+    if args.temperature < 0:
+        raise ValueError(f'--temperature={args.temperature} must be >= 0 (0 = greedy)')
+    if args.top_k is not None and args.top_k < 1:
+        raise ValueError(f'--top_k={args.top_k} must be >= 1 (leave it out to keep every token)')
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f'--top_p={args.top_p} must lie in (0, 1] (1 = off)')
+    if args.num_samples < 1 or args.max_new_tokens < 0:
+        raise ValueError('--num_samples must be >= 1 and --max_new_tokens >= 0')
+    return args
+
+
+def checkpoint_path(args):
+    """--ckpt, else out_dir/best.pt (lowest val loss) if train.py wrote one, else out_dir/ckpt.pt."""
+    if args.ckpt:
+        return args.ckpt
+    out_dir = args.out_dir or 'out'
+    best = os.path.join(out_dir, 'best.pt')
+    return best if os.path.isfile(best) else os.path.join(out_dir, 'ckpt.pt')
+
+
+def runtime(args):
+    """(device, autocast context) from --device and --dtype."""
+    name = ('cuda' if torch.cuda.is_available() else 'cpu') if args.device == 'auto' else args.device
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f'--device={name} is not a torch device: use cpu, cuda or cuda:N') from None
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        raise ValueError(f'--device={name} but CUDA is not available: use --device=cpu')
+    dtype = args.dtype or ('bfloat16' if device.type == 'cuda' and torch.cuda.is_bf16_supported() else 'float32')
+    if dtype == 'float32':
+        return device, nullcontext()
+    return device, torch.autocast(device.type, dtype=DTYPES[dtype])
+
+
+def load(path, device):
+    """(model, tokenizer) of a train.py language-model checkpoint."""
+    ckpt = load_checkpoint(path, map_location='cpu')
+    if ckpt['kind'] != 'lm':
+        raise ValueError(f"{path} is a {ckpt['kind']!r} checkpoint: sample from a train.py checkpoint")
+    mcfg = ckpt['model_config']
+    if mcfg['objective'] not in ('clm', 'mtp2') or not mcfg['causal']:
+        raise ValueError(f"{path} holds a model trained with objective={mcfg['objective']}, "
+                         f"causal={mcfg['causal']}: only causal next-token models (clm, mtp2) generate text")
+    try:
+        tok = Tokenizer.from_meta(ckpt['data']['meta'], ckpt['data']['data_dir'])
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e}: {path} reads its tokenizer from the data_dir it was trained on; "
+                                f"prepare that data again there") from None
+    return model_from_checkpoint(ckpt).to(device), tok
+
+
+def read_prompt(spec, tok, n_ctx):
+    """Prompt token ids: BOS + text (documents start with BOS in prepare.py's streams), at most
+    n_ctx - 1 of them so the first new token still fits in the window."""
+    if spec.startswith('FILE:'):
+        path = spec[len('FILE:'):]
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f'prompt file {path} not found (--prompt=FILE:path)')
+        with open(path, encoding='utf-8') as f:
+            spec = f.read()
+    ids = tok.encode(spec, bos=True)
+    if len(ids) > n_ctx - 1:
+        print(f'warning: the prompt has {len(ids)} tokens; keeping its last {n_ctx - 1} '
+              f'(the window holds n_ctx={n_ctx})', file=sys.stderr)
+        ids = ids[-(n_ctx - 1):]
+    return ids
+
+
+def write_sample(model, tok, ids, args, autocast, generator):
+    """Print one sample as it is generated; returns the number of new tokens. The whole sequence
+    is decoded at each step and only the new suffix printed, so pieces that are parts of one
+    multi-byte character print once it is complete."""
+    idx = torch.tensor([ids], dtype=torch.long, device=generator.device)     # (1, T0)
+    shown = tok.decode(ids)
+    sys.stdout.write(shown)
+    n_new = 0
+    with autocast:
+        steps = model.stream(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                             top_p=args.top_p, method=args.method, generator=generator)
+        for token, _ in steps:
+            token = int(token[0])
+            if token == tok.eos_id:  # end of document
+                break
+            ids.append(token)
+            n_new += 1
+            text = tok.decode(ids).rstrip('\ufffd')  # hold back an incomplete character
+            if len(text) > len(shown):
+                sys.stdout.write(text[len(shown):])
+                sys.stdout.flush()
+                shown = text
+    sys.stdout.write(tok.decode(ids)[len(shown):] + '\n')  # what was held back, if anything
+    return n_new
+
+
+def main(argv=None):
+    try:
+        args = parse_args(argv)
+        device, autocast = runtime(args)
+        path = checkpoint_path(args)
+        model, tok = load(path, device)
+        prompt = read_prompt(args.prompt, tok, model.cfg.n_ctx)
+        print(f'sampling from {path} ({model.cfg.arch}, method {args.method}, {device})', file=sys.stderr)
+        generator = torch.Generator(device=device).manual_seed(args.seed)
+        t0, n_new = time.perf_counter(), 0
+        for i in range(args.num_samples):
+            if i:
+                print('-' * 40)
+            n_new += write_sample(model, tok, list(prompt), args, autocast, generator)
+    except (ValueError, FileNotFoundError) as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return e.code or 0
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (| head): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    dt = time.perf_counter() - t0
+    print(f'{n_new} tokens in {dt:.2f} s ({n_new / max(dt, 1e-9):.1f} tokens/s)', file=sys.stderr)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
