@@ -231,9 +231,9 @@ class Attention(nn.Module):
             self.register_buffer('sin', angle.sin(), persistent=False)
 
     def rotate(self, x, pos):  # RoPE on (..., T, hd); pairs are (x[j], x[j + hd/2])
-        cos, sin = self.cos[pos:pos + x.shape[-2]], self.sin[pos:pos + x.shape[-2]]
+        cos, sin = (t[pos:pos + x.shape[-2]].to(x.dtype) for t in (self.cos, self.sin))  # no bf16 -> fp32
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
     def forward(self, x, ctx):  # (B, T, d) -> (B, T, d)
         q, k, v = qkv = rearrange(self.qkv(x), 'b t (n h c) -> n b h t c', n=3, h=self.heads)

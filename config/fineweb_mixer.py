@@ -1,0 +1,22 @@
+"""FineWeb-edu 10BT (paper §4, figs 4 and 7): flat masked mixer, d_model 1024, 16 layers, n_ctx 512.
+Data: python prepare.py fineweb-edu (8000-token BPE).
+Batch: n_ctx x batch_size x grad_accum = 512 x 32 x 4 = 65,536 tokens per optimizer step for the node.
+  torchrun --standalone --nproc_per_node=4 train.py config/fineweb_mixer.py   # 1 micro-batch of 32 per GPU
+  python train.py config/fineweb_mixer.py                                      # 4 micro-batches on 1 GPU
+Budget: the paper's 200k steps, about 20 h on 4x V100, whichever comes first."""
+data_dir = 'data/fineweb-edu'
+out_dir = 'out/fineweb_mixer'
+arch = 'mixer'
+d_model = 1024
+n_layers = 16
+n_ctx = 512
+batch_mode = 'documents'   # documents cut into n_ctx chunks, the last one right-padded (as the paper)
+batch_size = 32
+grad_accum = 4
+lr = 5e-4                  # paper §9.5: masked mixers
+warmup_iters = 1000
+max_iters = 200000
+max_time = 72000.0         # 20 h
+eval_interval = 2000
+eval_iters = 50
+log_interval = 100

@@ -1,0 +1,21 @@
+"""TinyStories (paper §4, fig 5, Table S6): GPT-1 (learned positions, post-norm) at the Llama baseline's size.
+Data: python prepare.py tinystories --max_docs=2000000 (the paper's first 2M stories, 4096 BPE).
+Budget: the paper's 4x V100 run, 2.25 h (torchrun --standalone --nproc_per_node=4 ...);
+its single RTX 3060 run is --max_time=43200 (12 h)."""
+data_dir = 'data/tinystories'
+out_dir = 'out/tinystories_gpt'
+arch = 'gpt'
+d_model = 512
+n_layers = 8
+n_heads = 4                # head number tuned as for the Llama baseline
+n_ctx = 512
+batch_mode = 'documents'   # one story per row, right-padded; pads are masked out of attention and loss
+batch_size = 16            # per micro-batch (per GPU)
+grad_accum = 4             # 4 GPUs: one micro-batch each; 1 GPU: 4 micro-batches per step
+lr = 2e-4                  # paper §9.5: transformers
+warmup_iters = 500
+max_iters = 0
+max_time = 8100.0          # seconds of training: 2.25 h
+eval_interval = 1000
+eval_iters = 50
+log_interval = 50

@@ -1,0 +1,627 @@
+"""
+Train a nanomixer model: one readable loop for every arch and objective, on one device or a
+DDP node, with AMP, fixed compute budgets (max_iters and/or max_time), exact resume and MFU logs.
+
+Usage
+  python train.py                                   # DEFAULTS below; CUDA if present, else CPU
+  python train.py config/demo.py                    # a preset (plain `key = value` lines) ...
+  python train.py config/demo.py --max_time=60      # ... then --key=value overrides
+  python train.py config/demo.py --init_from=resume # continue out_dir/ckpt.pt exactly
+  torchrun --standalone --nproc_per_node=4 train.py config/fineweb_mixer.py     # one node
+  torchrun --nnodes=2 --nproc_per_node=4 --node_rank=0 --rdzv_backend=c10d \
+           --rdzv_endpoint=HOST:29500 train.py config/fineweb_mixer.py
+           # two nodes: the same line on each node, with --node_rank=0 and --node_rank=1
+
+Batches. An optimizer step averages grad_accum micro-batches of batch_size sequences of n_ctx
+tokens, whatever the number of processes: the micro-batches are split over the DDP ranks, so
+grad_accum must be a multiple of the world size (4 GPUs, grad_accum=4: one micro-batch each).
+Micro-batch j of step s is a pure function of (seed, split, s, j), so ranks read disjoint
+streams, a run's data does not depend on its world size, and resuming needs only the step.
+
+Compute budget. The run stops when step reaches max_iters or the training time (evaluation
+excluded) reaches max_time seconds, whichever comes first (0 = no limit), then evaluates and
+saves. The learning rate warms up for warmup_iters steps, then decays (linear as in the paper,
+or cosine) to min_lr as the budget is used up; with max_time the budget fraction is measured in
+time, so time-budgeted runs are fair but not bit-reproducible (step budgets are).
+
+Files in out_dir: ckpt.pt (last), best.pt (lowest val loss), log.jsonl (one JSON object per
+log line and per evaluation; a resumed run first drops records past its checkpoint's step).
+
+Reusable API (retrieve.py imports these names; they are stable)
+  DEFAULTS / LOOP_DEFAULTS       every train.py key / the keys that `fit` and `setup_runtime` read
+  parse_args(argv, defaults, choices=None, doc=None) -> dict
+        defaults, then preset files and --key=value overrides in argv order, typed like the
+        default; unknown keys and values outside `choices` raise ValueError (close matches named)
+  setup_runtime(cfg) -> Runtime  DDP from torchrun's env vars (nccl on CUDA, gloo on CPU),
+        device, autocast dtype, GradScaler, seeded; rt.autocast(), rt.master, rt.close()
+  configure_optimizer(model, lr, weight_decay, device_type) -> AdamW (decay on >= 2-D weights,
+        fused or foreach kernels where available)
+  get_lr(cfg, step, progress) -> float   warmup by steps, then decay by budget fraction progress
+  fit(cfg, rt, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_token=None) -> dict
+        the training loop. get_batch(split, step, micro) -> tuple of CPU tensors (the first one's
+        numel counts as tokens; None entries allowed), a pure function of its arguments;
+        step=None asks for the fixed evaluation batch number `micro`. loss_fn(model, batch) ->
+        scalar loss; it must call model(...) (DDP hooks live in forward). ckpt_extra: entries
+        written into every checkpoint besides the loop's own (kind, model_config, data, ...).
+        resume: a checkpoint dict from load_checkpoint to continue exactly. Returns dict(step,
+        tokens_seen, train_time, train_loss, val_loss, best_val, stopped) with stopped one of
+        'budget' or 'diverged' (non-finite loss: nothing saved, the last checkpoint is kept).
+  save_checkpoint(obj, path)     atomic: write a temp file, fsync, os.replace
+  load_checkpoint(path, map_location='cpu') -> dict   one-line errors for missing/corrupt files
+  model_from_checkpoint(ckpt) -> nn.Module            rebuild a train.py model, eval mode
+  Batches(cfg, meta, data_dir)   train.py's get_batch over prepare.py's memmaps
+"""
+import ast
+import difflib
+import json
+import math
+import os
+import random
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from model import ModelConfig, build_model, flops_per_token, measure_peak_flops, objective_targets
+
+# ----------------------------------------------------------------------------- configuration
+
+LOOP_DEFAULTS = dict(
+    out_dir='out',
+    batch_size=16,          # sequences per micro-batch (per process)
+    grad_accum=1,           # micro-batches per optimizer step, split over the DDP ranks
+    lr=5e-4,                # paper: 5e-4 masked mixers, 2e-4 transformers
+    min_lr=0.0,             # where the decay ends
+    warmup_iters=100,
+    schedule='linear',      # linear (paper) | cosine
+    weight_decay=0.0,       # AdamW defaults, as in the paper
+    grad_clip=1.0,          # 0 = off
+    max_iters=5000,         # step budget, 0 = none
+    max_time=0.0,           # seconds of training (evaluation excluded), 0 = none
+    eval_interval=250,
+    eval_iters=20,
+    log_interval=10,
+    dtype='bfloat16',       # bfloat16 | float16 (CUDA, with GradScaler) | float32
+    device='auto',          # auto = cuda if available, else cpu
+    compile=False,
+    seed=1337,
+)
+DEFAULTS = dict(
+    data_dir='data/pystdlib',
+    batch_mode='packed',    # packed: random windows of the token stream | documents: padded document chunks
+    padding='right',        # documents: pads after the text (paper's CLM runs) or before it (§6.1)
+    init_from='scratch',    # scratch | resume (out_dir/ckpt.pt)
+    **{f.name: f.default for f in fields(ModelConfig) if f.name != 'vocab_size'},  # vocab: meta.json
+    **LOOP_DEFAULTS,
+)
+CHOICES = dict(batch_mode=('packed', 'documents'), padding=('right', 'left'), schedule=('linear', 'cosine'),
+               dtype=('bfloat16', 'float16', 'float32'), init_from=('scratch', 'resume'))
+MODEL_KEYS = [f.name for f in fields(ModelConfig) if f.name != 'vocab_size']
+SPLITS = ('train', 'val')
+
+
+def parse_args(argv, defaults, choices=None, doc=None):
+    """Defaults, then each preset file / --key=value in argv order; typed like the default.
+    --help prints doc (default: the running script's docstring) and the keys, then exits."""
+    cfg = dict(defaults)
+    args = list(sys.argv[1:] if argv is None else argv)
+    while args:
+        arg = args.pop(0)
+        if arg in ('-h', '--help'):
+            print(doc or sys.modules['__main__'].__doc__ or '')
+            print('keys and defaults:\n' + '\n'.join(f'  --{k}={v!r}' for k, v in defaults.items()))
+            raise SystemExit(0)
+        if not arg.startswith('--'):
+            for key, value in read_preset(arg, cfg).items():
+                cfg[key] = typed(key, value, defaults, arg)
+            continue
+        key, eq, value = arg[2:].partition('=')
+        key = key.replace('-', '_')
+        if not eq:  # --key value, or a bare --flag for booleans
+            if isinstance(defaults.get(key), bool) and (not args or args[0].startswith('--')):
+                value = 'true'
+            elif args and not args[0].startswith('--'):
+                value = args.pop(0)
+            else:
+                raise ValueError(f"--{key} needs a value: write --{key}=VALUE")
+        cfg[key] = typed(key, value, defaults, 'the command line')
+    for key, allowed in (choices or {}).items():
+        if cfg[key] not in allowed:
+            raise ValueError(f"{key}={cfg[key]!r} is invalid: use one of {', '.join(allowed)}")
+    return cfg
+
+
+def read_preset(path, cfg):
+    """A preset's `key = value` lines as a dict; values may use earlier keys (n_ctx * 2)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no preset file {path}: see config/ for the presets")
+    try:
+        tree = ast.parse(Path(path).read_text(), path)
+    except SyntaxError as e:
+        raise ValueError(f"{path}:{e.lineno}: {e.msg}") from None
+    scope, out = dict(cfg), {}
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # docstring
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            raise ValueError(f"{path}:{node.lineno}: presets hold only `key = value` lines")
+        try:
+            value = eval(compile(ast.Expression(node.value), path, 'eval'), {'__builtins__': {}}, scope)
+        except Exception as e:
+            raise ValueError(f"{path}:{node.lineno}: {type(e).__name__}: {e}") from None
+        scope[node.targets[0].id] = out[node.targets[0].id] = value
+    return out
+
+
+def typed(key, value, defaults, source):
+    """value (a str from the command line or a Python value from a preset) as the default's type."""
+    if key not in defaults:
+        close = difflib.get_close_matches(key, defaults, n=3)
+        hint = f"did you mean {', '.join('--' + c for c in close)}?" if close else "see --help for the keys"
+        raise ValueError(f"unknown key {key!r} in {source}: {hint}")
+    kind = type(defaults[key])
+    if isinstance(value, str) and kind is not str:
+        words = {'true': True, '1': True, 'yes': True, 'false': False, '0': False, 'no': False}
+        try:
+            value = words[value.lower()] if kind is bool else kind(value)
+        except (KeyError, ValueError):
+            raise ValueError(f"--{key}={value!r} is not a valid {kind.__name__} (default {defaults[key]!r})") from None
+    if kind is float and type(value) is int:
+        value = float(value)
+    if type(value) is not kind:
+        raise ValueError(f"{key}={value!r} in {source} should be a {kind.__name__} like {defaults[key]!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------- runtime
+
+# Dense bf16/fp16 tensor-core peaks from NVIDIA datasheets (TFLOP/s, first match in this order);
+# other GPUs, and float32, are measured.
+GPU_PEAK_TFLOPS = {'H200': 989, 'H100 PCIe': 756, 'H100': 989, 'A100': 312, 'L40S': 362, 'V100': 125}
+_peaks = {}
+
+
+@dataclass
+class Runtime:
+    device: torch.device
+    dtype: torch.dtype
+    scaler: torch.amp.GradScaler
+    rank: int = 0
+    local_rank: int = 0
+    world: int = 1
+
+    @property
+    def master(self):  # the process that logs and saves
+        return self.rank == 0
+
+    def autocast(self):
+        return nullcontext() if self.dtype == torch.float32 else torch.autocast(self.device.type, self.dtype)
+
+    def peak_flops(self):
+        """MFU denominator, per device: datasheet peak for known GPUs, else a measured matmul."""
+        key = (str(self.device), self.dtype)
+        if key not in _peaks:
+            name = torch.cuda.get_device_name(self.device) if self.device.type == 'cuda' else ''
+            table = [v for k, v in GPU_PEAK_TFLOPS.items() if k in name and self.dtype != torch.float32]
+            _peaks[key] = table[0] * 1e12 if table else measure_peak_flops(self.device, self.dtype)
+        return _peaks[key]
+
+    def close(self):
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def setup_runtime(cfg):
+    """Device, DDP (when launched by torchrun), AMP dtype and GradScaler; seeds torch."""
+    world = int(os.environ.get('WORLD_SIZE', 1))
+    rank, local_rank = int(os.environ.get('RANK', 0)), int(os.environ.get('LOCAL_RANK', 0))
+    if cfg['grad_accum'] % world:
+        raise ValueError(f"grad_accum={cfg['grad_accum']} is not divisible by the {world} processes: "
+                         f"use a multiple of {world} (the micro-batches are split over the ranks)")
+    try:
+        auto = 'cuda' if torch.cuda.is_available() else 'cpu'
+        device = torch.device(auto if cfg['device'] == 'auto' else cfg['device'])
+    except RuntimeError:
+        raise ValueError(f"device={cfg['device']!r} is not a torch device: use auto, cpu, cuda or cuda:N") from None
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        raise ValueError(f"device={cfg['device']} but no CUDA GPU is visible: use --device=cpu")
+    dtype = getattr(torch, cfg['dtype'])
+    if dtype == torch.float16 and device.type != 'cuda':
+        raise ValueError("dtype=float16 is for CUDA GPUs (with a GradScaler): on CPU use bfloat16 or float32")
+    if device.type == 'cuda':
+        device = torch.device('cuda', local_rank if world > 1 else (device.index or 0))
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            print("note: this GPU has no bfloat16: training in float16 with a GradScaler")
+            dtype = torch.float16
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo')
+    torch.manual_seed(cfg['seed'])  # identical initial weights on every rank
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    return Runtime(device, dtype, scaler, rank, local_rank, world)
+
+
+def configure_optimizer(model, lr, weight_decay, device_type, betas=(0.9, 0.999)):
+    """AdamW (the paper's default betas); weight decay on matrices/mixings, not on biases and norms."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
+              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
+    kernel = dict(fused=True) if device_type in ('cuda', 'cpu') else dict(foreach=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, **kernel)
+
+
+def get_lr(cfg, step, progress):
+    """Linear warmup over warmup_iters steps, then linear (paper) or cosine decay to min_lr
+    as progress, the used fraction of the compute budget, goes from 0 to 1."""
+    if step < cfg['warmup_iters']:
+        return cfg['lr'] * (step + 1) / (cfg['warmup_iters'] + 1)
+    p = min(max(progress, 0.0), 1.0)
+    decay = 1 - p if cfg['schedule'] == 'linear' else 0.5 * (1 + math.cos(math.pi * p))
+    return cfg['min_lr'] + (cfg['lr'] - cfg['min_lr']) * decay
+
+
+def budget_used(cfg, step, train_time):
+    """Fraction of the budget spent: the larger of the step and time fractions."""
+    if not cfg['max_iters'] and not cfg['max_time']:
+        raise ValueError("no compute budget: set --max_iters and/or --max_time (seconds)")
+    steps = step / cfg['max_iters'] if cfg['max_iters'] else 0.0
+    return max(steps, train_time / cfg['max_time'] if cfg['max_time'] else 0.0)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def save_checkpoint(obj, path):
+    """Write to a temp file and os.replace it, so a crash never leaves a half-written checkpoint."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, 'wb') as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, map_location='cpu'):
+    path = str(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint at {path}: train one with python train.py (or pass the right out_dir)")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # truncated zip, wrong file, pickled classes: all the same to the user
+        why = (str(e).strip().splitlines() or [''])[0][:160]
+        raise ValueError(f"{path} is not a readable nanomixer checkpoint ({type(e).__name__}: {why})") from None
+    if not isinstance(ckpt, dict) or not {'kind', 'model'} <= ckpt.keys():
+        raise ValueError(f"{path} is not a readable nanomixer checkpoint (no 'kind'/'model' entries)")
+    return ckpt
+
+
+def model_from_checkpoint(ckpt):
+    """The checkpoint's model, weights loaded, in eval mode (on CPU; move it where you need it)."""
+    if 'model_config' not in ckpt:
+        raise ValueError(f"a {ckpt.get('kind')!r} checkpoint without model_config cannot be rebuilt here")
+    model = build_model(ModelConfig(**ckpt['model_config']))
+    model.load_state_dict(ckpt['model'])
+    return model.eval()
+
+
+def rng_state():
+    """Every RNG as checkpoint-safe values (weights_only: lists and tensors, no numpy arrays)."""
+    np_state = np.random.get_state(legacy=False)
+    np_state['state']['key'] = np_state['state']['key'].tolist()
+    return {'python': random.getstate(), 'numpy': np_state, 'torch': torch.get_rng_state(),
+            'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state):
+    random.setstate((state['python'][0], tuple(state['python'][1]), state['python'][2]))
+    np_state = dict(state['numpy'], state=dict(state['numpy']['state']))
+    np_state['state']['key'] = np.array(np_state['state']['key'], dtype=np.uint32)
+    np.random.set_state(np_state)
+    torch.set_rng_state(state['torch'])
+    if state['cuda'] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state['cuda'])
+
+
+def check_out_dir(out_dir):
+    """Fail before training, not at the first checkpoint, if out_dir cannot be written."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f'.write_test{os.getpid()}')
+        open(probe, 'w').close()
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"cannot write to out_dir {out_dir} ({e.strerror or e}): pass a writable --out_dir") from None
+
+
+def trim_log(path, step):
+    """Drop log records past `step` (written by a run that died after its last checkpoint)."""
+    if not os.path.exists(path):
+        return
+    keep = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            if json.loads(line)['step'] <= step:
+                keep.append(line + '\n')
+        except (ValueError, KeyError, TypeError):
+            pass  # a line cut short by kill -9
+    tmp = f"{path}.tmp{os.getpid()}"
+    Path(tmp).write_text(''.join(keep))
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+def fit(cfg, rt, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_token=None):
+    """Train `model` until the budget is spent; evaluate and checkpoint every eval_interval."""
+    check_out_dir(cfg['out_dir'])
+    ckpt_path, log_path = (os.path.join(cfg['out_dir'], f) for f in ('ckpt.pt', 'log.jsonl'))
+    raw = model.to(rt.device)
+    optimizer = configure_optimizer(raw, cfg['lr'], cfg['weight_decay'], rt.device.type)
+    st = dict(step=0, tokens_seen=0, train_time=0.0, best_val=float('inf'))
+    if resume is not None:  # everything a step depends on: weights, AdamW, scaler, counters, RNGs
+        raw.load_state_dict(resume['model'])
+        optimizer.load_state_dict(resume['optimizer'])
+        if rt.scaler.is_enabled() and resume.get('scaler'):
+            rt.scaler.load_state_dict(resume['scaler'])
+        st.update({k: resume[k] for k in st})
+        set_rng_state(resume['rng'])
+        if rt.master:
+            trim_log(log_path, st['step'])
+    net = torch.compile(raw) if cfg['compile'] else raw
+    ddp = DDP(net, device_ids=[rt.device.index] if rt.device.type == 'cuda' else None,
+              broadcast_buffers=False) if rt.world > 1 else net
+    log = open(log_path, 'a') if rt.master else None
+    peak = rt.peak_flops() if flops_per_token else None
+    local_accum, start = cfg['grad_accum'] // rt.world, st['step']
+    loss_sum, n_micro, interval_t, interval_tokens, lr = torch.zeros((), device=rt.device), 0, 0.0, 0, 0.0
+    result = dict(train_loss=float('nan'), val_loss=float('nan'), stopped='budget')
+    saved = start if resume is not None else None  # step of the checkpoint on disk
+
+    def record(**rec):
+        if rt.master:
+            log.write(json.dumps(dict(step=st['step'], **rec)) + '\n')
+            log.flush()
+
+    def diverged(what, value):
+        if rt.master:
+            last = f"{ckpt_path} (step {saved})" if saved is not None else "none (nothing was saved)"
+            print(f"error: {what} is {value} at step {st['step']}: training stopped; the last good checkpoint is "
+                  f"{last}. Lower --lr or keep --grad_clip on", file=sys.stderr)
+        result['stopped'] = 'diverged'
+
+    raw.train()
+    while True:
+        progress = budget_used(cfg, st['step'], st['train_time'])
+        done = progress >= 1.0
+        if done or (st['step'] % cfg['eval_interval'] == 0 and (st['step'] > start or start == 0)):
+            losses = evaluate(cfg, rt, net, get_batch, loss_fn)
+            result.update(train_loss=losses['train'], val_loss=losses['val'])
+            record(train_loss=losses['train'], val_loss=losses['val'], tokens_seen=st['tokens_seen'],
+                   time=round(st['train_time'], 3))
+            if not all(map(math.isfinite, losses.values())):
+                diverged('the evaluation loss', losses)
+                break
+            improved = losses['val'] < st['best_val']
+            st['best_val'] = min(st['best_val'], losses['val'])
+            if rt.master:
+                print(f"step {st['step']}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+                if st['step'] > 0:
+                    ckpt = {**ckpt_extra, **st, 'model': raw.state_dict(), 'optimizer': optimizer.state_dict(),
+                            'scaler': rt.scaler.state_dict() if rt.scaler.is_enabled() else None,
+                            'rng': rng_state(), 'data_state': dict(seed=cfg['seed'], step=st['step']),
+                            'config': cfg}
+                    if improved:  # best first: a crash between the two leaves both consistent
+                        save_checkpoint(ckpt, os.path.join(cfg['out_dir'], 'best.pt'))
+                    save_checkpoint(ckpt, ckpt_path)
+                    saved = st['step']
+        if done:
+            break
+
+        # one optimizer step: local_accum micro-batches on this rank, gradients averaged by DDP
+        t0 = time.perf_counter()
+        lr = get_lr(cfg, st['step'], progress)
+        for group in optimizer.param_groups:
+            group['lr'] = lr
+        for m in range(local_accum):
+            batch = to_device(get_batch('train', st['step'], rt.rank * local_accum + m), rt.device)
+            sync = m == local_accum - 1 or rt.world == 1
+            with nullcontext() if sync else ddp.no_sync(), rt.autocast():
+                loss = loss_fn(ddp, batch)
+            rt.scaler.scale(loss / local_accum).backward()
+            loss_sum += loss.detach()
+        tokens = local_accum * batch[0].numel() * rt.world  # this step's, over all ranks
+        st['tokens_seen'] += tokens
+        interval_tokens += tokens
+        if cfg['grad_clip']:
+            rt.scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg['grad_clip'])
+        rt.scaler.step(optimizer)
+        rt.scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        st['step'] += 1
+        n_micro += local_accum
+        dt = time.perf_counter() - t0
+        if cfg['max_time'] and rt.world > 1:  # every rank follows rank 0's clock (lr and stop)
+            dt_t = torch.tensor([dt], dtype=torch.float64, device=rt.device)
+            dist.broadcast(dt_t, 0)
+            dt = dt_t.item()
+        st['train_time'] += dt
+        interval_t += dt
+
+        if st['step'] % cfg['log_interval'] == 0 or budget_used(cfg, st['step'], st['train_time']) >= 1:
+            if rt.world > 1:
+                dist.all_reduce(loss_sum)
+            train_loss = loss_sum.item() / (n_micro * rt.world)
+            if not math.isfinite(train_loss):
+                diverged('the training loss', train_loss)
+                break
+            n_steps = n_micro // local_accum
+            tps = interval_tokens / interval_t
+            rec = dict(loss=round(train_loss, 5), lr=lr, ms_per_step=round(1000 * interval_t / n_steps, 2),
+                       tokens_per_s=round(tps, 1), tokens_seen=st['tokens_seen'])
+            if cfg['grad_clip']:
+                rec['grad_norm'] = round(grad_norm.item(), 4)
+            if peak:
+                rec['mfu'] = round(flops_per_token * tps / (peak * rt.world), 4)
+            record(**rec)
+            if rt.master:
+                print(f"step {st['step']} | loss {train_loss:.4f} | lr {lr:.2e} | {rec['ms_per_step']:.0f} ms/step"
+                      f" | {tps:,.0f} tok/s" + (f" | mfu {rec['mfu']:.1%}" if peak else ''))
+            loss_sum.zero_()
+            n_micro, interval_t, interval_tokens = 0, 0.0, 0
+    if log:
+        log.close()
+    return dict(step=st['step'], tokens_seen=st['tokens_seen'], train_time=st['train_time'],
+                best_val=st['best_val'], **result)
+
+
+@torch.no_grad()
+def evaluate(cfg, rt, model, get_batch, loss_fn):
+    """Mean loss over the eval_iters fixed batches of each split (shared out over the ranks)."""
+    model.eval()
+    out = {}
+    for split in SPLITS:
+        total = torch.zeros(2, device=rt.device, dtype=torch.float64)  # (sum of losses, count)
+        for i in range(rt.rank, cfg['eval_iters'], rt.world):
+            with rt.autocast():
+                total[0] += loss_fn(model, to_device(get_batch(split, None, i), rt.device)).double()
+            total[1] += 1
+        if rt.world > 1:
+            dist.all_reduce(total)
+        out[split] = (total[0] / total[1]).item()
+    model.train()
+    return out
+
+
+def to_device(batch, device):
+    pin = device.type == 'cuda'
+    return tuple(None if t is None else (t.pin_memory() if pin else t).to(device, non_blocking=pin) for t in batch)
+
+
+# ----------------------------------------------------------------------------- data
+
+def load_meta(data_dir):
+    path = os.path.join(data_dir, 'meta.json')
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no prepared data at {data_dir}: run python prepare.py (or pass --data_dir)")
+    return json.loads(Path(path).read_text())
+
+
+class Batches:
+    """get_batch for language modelling over prepare.py's outputs: micro-batch `micro` of
+    `step` is drawn with its own numpy Generator, so it depends on nothing else."""
+
+    def __init__(self, cfg, meta, data_dir):
+        self.cfg, self.n = cfg, cfg['n_ctx']
+        self.pad = meta.get('pad_id')
+        if cfg['batch_mode'] == 'documents' and self.pad is None:
+            raise ValueError(f"{data_dir}/meta.json has no pad_id, which batch_mode=documents needs: re-run prepare.py")
+        self.tokens, self.docs = {}, {}
+        for split in SPLITS:
+            path = os.path.join(data_dir, f'{split}.bin')
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"no prepared data at {path}: run python prepare.py (or pass --data_dir)")
+            tokens = np.memmap(path, dtype=meta.get('dtype', 'uint16'), mode='r')
+            if len(tokens) < self.n + 2:
+                raise ValueError(f"{path} holds {len(tokens)} tokens, too few for n_ctx={self.n}: lower --n_ctx")
+            self.tokens[split] = tokens
+            if cfg['batch_mode'] == 'documents':  # rows are n_ctx-token chunks of documents
+                starts = np.load(os.path.join(data_dir, f'{split}_docs.npy')).astype(np.int64)
+                lengths = np.diff(np.append(starts, len(tokens)))
+                chunks = (lengths + self.n - 2) // self.n  # ceil((length - 1) / n_ctx): inputs need a next token
+                if not chunks.sum():
+                    raise ValueError(f"{data_dir}: no {split} document has 2 tokens or more")
+                self.docs[split] = (starts, lengths, np.cumsum(chunks))
+
+    def __call__(self, split, step, micro):
+        """(x, targets, mask): x (B, n_ctx) inputs, targets for the objective, mask (B, n_ctx) or None."""
+        cfg, n, tokens = self.cfg, self.n, self.tokens[split]
+        key = [cfg['seed'], SPLITS.index(split), 0 if step is None else 1, step or 0, micro]
+        rng = np.random.default_rng(key)
+        if cfg['batch_mode'] == 'packed':  # nanoGPT: random windows of n_ctx + 1 tokens
+            offsets = rng.integers(0, len(tokens) - n, size=cfg['batch_size'])
+            w = torch.from_numpy(np.stack([tokens[o:o + n + 1] for o in offsets]).astype(np.int64))
+            x, y, mask = w[:, :-1], w[:, 1:], None
+        else:  # a random chunk of a document (its first n_ctx + 1 tokens, its next ...), padded
+            starts, lengths, ends = self.docs[split]
+            x = np.full((cfg['batch_size'], n), self.pad, dtype=np.int64)
+            y = np.full((cfg['batch_size'], n), -1, dtype=np.int64)
+            for row, c in enumerate(rng.integers(0, ends[-1], size=cfg['batch_size'])):
+                d = np.searchsorted(ends, c, side='right')           # the document holding chunk c
+                at = (c - (ends[d - 1] if d else 0)) * n              # chunk start within the document
+                w = tokens[starts[d] + at:starts[d] + min(lengths[d], at + n + 1)].astype(np.int64)
+                k = len(w) - 1
+                col = n - k if cfg['padding'] == 'left' else 0
+                x[row, col:col + k], y[row, col:col + k] = w[:-1], w[1:]
+            x, y = torch.from_numpy(x), torch.from_numpy(y)
+            mask = y != -1  # (B, n_ctx) True on real input tokens
+        return x, objective_targets(cfg['objective'], x, y, mask), mask
+
+
+def lm_loss(model, batch):
+    x, targets, mask = batch
+    return model(x, targets=targets, mask=mask)[1]
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None):
+    rt = None
+    try:
+        cfg = parse_args(argv, DEFAULTS, CHOICES, __doc__)
+        meta = load_meta(cfg['data_dir'])
+        mcfg = ModelConfig(vocab_size=meta['vocab_size'], **{k: cfg[k] for k in MODEL_KEYS})
+        budget_used(cfg, 0, 0.0)  # a run needs a budget
+        resume = None
+        if cfg['init_from'] == 'resume':
+            path = os.path.join(cfg['out_dir'], 'ckpt.pt')
+            resume = load_checkpoint(path)
+            check_resumable(resume, path, mcfg)
+        get_batch = Batches(cfg, meta, cfg['data_dir'])
+        rt = setup_runtime(cfg)
+        model = build_model(mcfg)
+        if rt.master:
+            print(f"{mcfg.arch} {mcfg.objective}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+                  f"{rt.device} {str(rt.dtype)[6:]}, {rt.world} process(es), "
+                  f"{cfg['batch_size'] * cfg['grad_accum'] * mcfg.n_ctx:,} tokens per step")
+        extra = {'kind': 'lm', 'model_config': asdict(mcfg),
+                 'data': {'data_dir': os.path.abspath(cfg['data_dir']), 'meta': meta}}
+        stats = fit(cfg, rt, model, get_batch, lm_loss, extra, resume, flops_per_token(mcfg))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return e.code
+    finally:
+        if rt is not None:
+            rt.close()
+    if stats['stopped'] == 'diverged':
+        return 1
+    if rt.master:
+        print(f"done: step {stats['step']}, {stats['train_time']:.1f} s of training, val loss {stats['val_loss']:.4f} "
+              f"(best {stats['best_val']:.4f}); checkpoint in {cfg['out_dir']}/ckpt.pt")
+    return 0
+
+
+def check_resumable(ckpt, path, mcfg):
+    """Resuming into a different model (arch, n_ctx, vocab, ...) would fail obscurely later."""
+    if ckpt['kind'] != 'lm':
+        raise ValueError(f"{path} is a {ckpt['kind']!r} checkpoint, not one of train.py's")
+    theirs, ours = ckpt['model_config'], asdict(mcfg)
+    diff = [k for k in ours if theirs.get(k) != ours[k]]
+    if diff:
+        was = ', '.join(f"{k}={theirs.get(k)!r}" for k in diff)
+        now = ', '.join(f"{k}={ours[k]!r}" for k in diff)
+        raise ValueError(f"{path} was trained with {was} but this run asks for {now} "
+                         f"(vocab_size comes from --data_dir): resume with the same preset and flags, "
+                         f"or train into a new --out_dir")
+
+
+if __name__ == '__main__':
+    sys.exit(main())
