@@ -1200,7 +1200,7 @@ def test_ddp_two_processes_equal_one(data, tmp_path):
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
            os.path.join(HERE, 'train.py'), *common, f'--out_dir={tmp_path / "ddp"}']
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, (proc.stdout[-1500:], proc.stderr[-3000:])
     assert '2 process(es)' in proc.stdout
     assert train.main([*common, f'--out_dir={tmp_path / "one"}']) == 0
     a, b = weights(tmp_path / 'ddp'), weights(tmp_path / 'one')
@@ -1750,16 +1750,22 @@ def test_bench_represent_checkpoint_on_data(tmp_path):
 
 
 def test_bench_all_prints_tables_writes_json_and_plot(tmp_path, capsys):
-    pytest.importorskip('matplotlib')
+    """`all` runs everywhere; the plot is checked where the optional matplotlib is installed."""
+    try:
+        import matplotlib  # noqa: F401
+        has_plot = True
+    except ImportError:
+        has_plot = False
     js, png = tmp_path / 'all.json', tmp_path / 'all.png'
     rows = bench.main(['all', '--archs=mixer', *BENCH_TINY, '--prompt=4', '--new_tokens=4', '--steps=20',
-                       '--warmup=1', '--repeats=1', f'--json={js}', f'--plot={png}'])
+                       '--warmup=1', '--repeats=1', f'--json={js}', *([f'--plot={png}'] if has_plot else [])])
     out = capsys.readouterr().out
     assert {r['mode'] for r in rows} == {'throughput', 'memory', 'generate', 'represent'}
     for heading in ('## throughput', '## memory', '## generate', '## represent', '| arch |', '| n_layers=1 |'):
         assert heading in out
     assert json.loads(js.read_text()) == rows
-    assert png.read_bytes()[:4] == b'\x89PNG' and not os.path.exists(f'{png}.tmp.png')
+    if has_plot:
+        assert png.read_bytes()[:4] == b'\x89PNG' and not os.path.exists(f'{png}.tmp.png')
 
 
 def test_bench_bad_input_is_one_line_error():

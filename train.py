@@ -375,7 +375,7 @@ def fit(cfg, rt, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_t
             trim_log(log_path, st['step'])
     net = torch.compile(raw) if cfg['compile'] else raw
     ddp = DDP(net, device_ids=[rt.device.index] if rt.device.type == 'cuda' else None,
-              broadcast_buffers=False) if rt.world > 1 else net
+              forward_sync_buffers=False) if rt.world > 1 else net  # buffers (RoPE tables) are constant
     log = open(log_path, 'a') if rt.master else None
     peak = rt.peak_flops() if flops_per_token else None
     local_accum, start = cfg['grad_accum'] // rt.world, st['step']
@@ -477,6 +477,8 @@ def fit(cfg, rt, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_t
             n_micro, interval_t, interval_tokens = 0, 0.0, 0
     if log:
         log.close()
+    if rt.world > 1:  # rank 0 may still be writing the checkpoint: tear the group down together
+        dist.barrier()
     return dict(step=st['step'], tokens_seen=st['tokens_seen'], train_time=st['train_time'],
                 best_val=st['best_val'], **result)
 
