@@ -15,7 +15,6 @@ MODE is one of
 Models are untrained unless represent gets --ckpt; inputs are random tokens unless --data_dir.
 """
 import argparse
-import contextlib
 import json
 import os
 import resource
@@ -28,9 +27,9 @@ import numpy as np
 import torch
 
 from model import Backbone, Ctx, ModelConfig, build_model, flops_per_token, measure_peak_flops
+from train import CHOICES, autocast as amp, choose_dtype, resolve_device
 
 MODES = ('throughput', 'memory', 'generate', 'represent', 'all')
-DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 
 # Per-mode defaults; --full replaces them with the paper's (or the issue's headline) settings.
 DEFAULTS = {
@@ -64,9 +63,10 @@ def parse_args(argv):
     p.add_argument('--batch_size', type=int)
     p.add_argument('--vocab_size', type=int, default=4096, help="the paper's TinyStories tokenizer size")
     p.add_argument('--full', action='store_true', help="the paper's sizes (slow on a CPU)")
-    p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
-    p.add_argument('--dtype', default='bfloat16', choices=list(DTYPES),
-                   help="autocast dtype (float32: none); represent always runs in float32")
+    p.add_argument('--device', default='auto', help="auto (cuda if present), cpu or cuda[:i]")
+    p.add_argument('--dtype', default='auto', choices=CHOICES['dtype'],
+                   help="autocast dtype (auto: bf16 on CUDA and on CPUs with native bf16, else float32); "
+                        "represent always runs in float32")
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--json', help="write every row to this JSON file")
     p.add_argument('--plot', help="draw throughput/memory/generation vs n_ctx to this .png (needs matplotlib)")
@@ -103,12 +103,13 @@ def settings(args, mode):
         except ValueError:
             fail(f"--{key}={s[key]} must be a comma list of integers, e.g. --{key}=256,512")
     try:
-        s['dev'], s['torch_dtype'] = torch.device(s['device']), DTYPES[s['dtype']]
-    except RuntimeError:
-        fail(f"--device={s['device']} is not a device: use cpu, cuda or cuda:N")
-    if s['dev'].type not in ('cpu', 'cuda') or (s['dev'].type == 'cuda' and not torch.cuda.is_available()):
-        fail(f"--device={s['device']} is not available here: use --device=cpu" +
-             (" (no CUDA device is visible)" if s['dev'].type == 'cuda' else ""))
+        s['dev'] = resolve_device(s['device'])
+        s['torch_dtype'], why = choose_dtype(s['dev'], s['dtype'])
+    except ValueError as e:
+        fail(str(e))
+    s['device'], s['dtype'] = str(s['dev']), str(s['torch_dtype'])[6:]  # what runs (memory cells inherit it)
+    if args.mode != 'memory_cell':
+        print(f"{mode}: {s['device']} {s['dtype']} ({why})", file=sys.stderr)
     return argparse.Namespace(**s)
 
 
@@ -125,10 +126,7 @@ def grid(s):
 
 
 def autocast(s):
-    """bf16/fp16 autocast on the chosen device; float32 runs as is."""
-    if s.torch_dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(s.dev.type, dtype=s.torch_dtype)
+    return amp(s.dev, s.torch_dtype)
 
 
 def sync(dev):
@@ -162,7 +160,7 @@ def training_step_times(model, opt, x, y, s):
 def bench_throughput(s):
     from train import configure_optimizer
     peak = measure_peak_flops(s.dev, s.torch_dtype)
-    print(f"peak: {peak / 1e9:.0f} GFLOP/s (best {s.dtype} 2048x2048 matmul on {s.device})")
+    print(f"peak: {peak / 1e9:.0f} GFLOP/s (best {s.dtype} square matmul on {s.device})")
     rows, gen = [], torch.Generator().manual_seed(s.seed)
     for cfg in grid(s):
         torch.manual_seed(s.seed)

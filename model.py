@@ -707,16 +707,23 @@ def flops_per_token(cfg):
     return flops * (2 if cfg.objective == 'mtp2' else 1)
 
 
-def measure_peak_flops(device='cpu', dtype=torch.bfloat16, n=2048, reps=8):
-    """The denominator of MFU: best observed FLOP/s of a dense n x n matmul in dtype on device."""
+def measure_peak_flops(device='cpu', dtype=torch.float32, budget=0.25):
+    """The denominator of MFU: the best FLOP/s of a square matmul in dtype on device. The size
+    starts small and doubles (up to 4096) only while the next size fits in what is left of
+    `budget` seconds, so the probe is quick on a fast GPU and on a CPU that emulates bf16 alike."""
     import time
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     sync = torch.cuda.synchronize if torch.device(device).type == 'cuda' else (lambda: None)
-    best = float('inf')
-    for _ in range(reps + 1):  # the first run warms up
-        sync()
-        t0 = time.perf_counter()
-        a @ b
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
+    deadline, best, n = time.perf_counter() + budget, 0.0, 128
+    while True:
+        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+        dt = float('inf')
+        for _ in range(4):  # the first run warms up; keep the best of all
+            sync()
+            t0 = time.perf_counter()
+            a @ b
+            sync()
+            dt = min(dt, time.perf_counter() - t0)
+        best = max(best, 2 * n ** 3 / dt)
+        if n >= 4096 or time.perf_counter() + 4 * 8 * dt > deadline:  # 2n costs 8x per matmul
+            return best
+        n *= 2

@@ -26,7 +26,8 @@ text. The paper took the second-to-last (-2) because its models shifted the targ
 model and never trained the last position; train.py's loader does the shift, so every position
 of the window is trained and -1 is the default. Autoencoder checkpoints embed with their encoder
 (the paper's §6.4: its last position). Embedding runs without gradients, in batches, under
-autocast to --dtype (bfloat16 by default, also on CPU); similarities are computed in float32.
+autocast to --dtype (auto: bf16 on CUDA and on CPUs with native bf16, else float32, as train.py
+decides); similarities are computed in float32.
 
 Training. `train` and `indirect` run train.py's `fit`, so they take its loop keys (--lr,
 --batch_size, --grad_accum, --max_iters, --max_time, --dtype, --device, --compile, ...) and give
@@ -36,7 +37,6 @@ counts queries: a micro-batch embeds 2 x batch_size sequences with in-batch nega
 32 x batch_size with the paper's 30 sampled negatives (its setting: --batch_size=1 --grad_accum=4).
 """
 import argparse
-import contextlib
 import hashlib
 import io
 import json
@@ -57,7 +57,6 @@ from prepare import Tokenizer
 TAU = 0.02             # InfoNCE temperature (eq. 8)
 PAPER_NEGATIVES = 30   # --negatives=paper: one query, its target and 30 non-matching targets (§6.3)
 DEFAULT_NS = tuple(2 ** k for k in range(5, 14))   # 32, 64, ..., 8192: the columns of Table 1
-DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 
 
 # ----------------------------------------------------------------------------- text files
@@ -143,23 +142,21 @@ class TextEncoder(nn.Module):
         return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
-def autocast(device, dtype):
-    return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
-
-
 class Embedder:
     """A checkpoint's encoder + tokenizer: texts -> unit embeddings (N, d_model), batched, no grad."""
 
-    def __init__(self, ckpt_path, device='cpu', dtype='bfloat16', batch_size=32, embed_pos=None):
+    def __init__(self, ckpt_path, device='auto', dtype='auto', batch_size=32, embed_pos=None):
         ckpt = train.load_checkpoint(ckpt_path, map_location='cpu')
         if ckpt.get('kind') not in ('lm', 'retrieval'):
             raise ValueError(f"{ckpt_path} is a {ckpt.get('kind')!r} checkpoint: embeddings come from an "
                              f"'lm' (train.py) or 'retrieval' (retrieve.py train) checkpoint")
-        if dtype not in DTYPES:
-            raise ValueError(f"--dtype={dtype}: use one of {', '.join(DTYPES)}")
+        if dtype not in train.CHOICES['dtype']:
+            raise ValueError(f"--dtype={dtype}: use one of {', '.join(train.CHOICES['dtype'])}")
         self.path = os.path.abspath(ckpt_path)
         self.fingerprint = weights_fingerprint(ckpt['model'])
-        self.device, self.dtype, self.batch_size = torch.device(device), DTYPES[dtype], batch_size
+        self.device = device if isinstance(device, torch.device) else train.resolve_device(device)
+        self.dtype, self.why = train.choose_dtype(self.device, dtype)
+        self.batch_size = batch_size
         pos = ckpt.get('embed_pos', -1) if embed_pos is None else embed_pos
         self.encoder = TextEncoder(train.model_from_checkpoint(ckpt), pos).to(self.device).eval()
         self.n_ctx, self.d_model = self.encoder.model.cfg.n_ctx, self.encoder.model.cfg.d_model
@@ -174,7 +171,7 @@ class Embedder:
         out = [torch.zeros(0, self.d_model)]
         for i in range(0, len(seqs), self.batch_size):
             idx, mask = left_pad(seqs[i:i + self.batch_size], self.n_ctx, self.tok.pad_id)
-            with autocast(self.device, self.dtype):
+            with train.autocast(self.device, self.dtype):
                 out.append(self.encoder(idx.to(self.device), mask.to(self.device)).float().cpu())
         return torch.cat(out)
 
@@ -269,17 +266,20 @@ class PairBatches:
                                  f"(negatives={cfg['negatives']}): lower --batch_size")
             self.pairs[split] = ([tok.encode(q, bos=True) for q in queries], [tok.encode(t, bos=True) for t in targets])
 
-    def __call__(self, split, step, micro):
-        cfg, (queries, targets) = self.cfg, self.pairs[split]
+    def __call__(self, split, step, micro, shard=0, shards=1):
+        """A row shard (shards > 1) keeps its share of the queries and, with in-batch negatives,
+        all B targets: each query is scored against the same candidates as in the whole micro-batch."""
+        cfg, (queries, targets), B = self.cfg, self.pairs[split], self.cfg['batch_size']
         rng = batch_rng(cfg, split, step, micro)
-        match = rng.choice(len(queries), cfg['batch_size'], replace=False)
+        match = rng.choice(len(queries), B, replace=False)
+        mine = slice(shard * B // shards, (shard + 1) * B // shards)
         if cfg['negatives'] == 'inbatch':
-            rows, labels = match, torch.arange(len(match))
+            rows, labels = match, torch.arange(B)[mine]
         else:
             gen = torch.Generator().manual_seed(int(rng.integers(2 ** 62)))
             cands, labels = sample_candidates(torch.from_numpy(match), len(targets), PAPER_NEGATIVES + 1, gen)
-            rows = cands.flatten().tolist()
-        idx, mask = left_pad([queries[i] for i in match] + [targets[i] for i in rows], self.n_ctx, self.pad)
+            rows, labels = cands[mine].flatten().tolist(), labels[mine]
+        idx, mask = left_pad([queries[i] for i in match[mine]] + [targets[i] for i in rows], self.n_ctx, self.pad)
         return idx, mask, labels
 
 
@@ -319,7 +319,7 @@ def cmd_train(argv):
         if rt.master:
             print(f"InfoNCE ({cfg['negatives']} negatives, tau {TAU}) from {init_from}: "
                   f"{sum(p.numel() for p in encoder.parameters() if p.requires_grad) / 1e6:.2f}M trainable "
-                  f"parameters, embed_pos {embed_pos}, {rt.device} {cfg['dtype']}")
+                  f"parameters, embed_pos {embed_pos}, {rt.describe()}")
 
         def loss_fn(model, batch):
             idx, mask, labels = batch
@@ -396,7 +396,7 @@ def cmd_eval(args):
     t1 = time.perf_counter()
     m = retrieval_metrics(q, t, ns, args.seed)
     t2 = time.perf_counter()
-    print(f"{args.ckpt}: {len(queries)} pairs from {args.pairs}, embed_pos {embedder.encoder.embed_pos}, {args.dtype}; "
+    print(f"{args.ckpt}: {len(queries)} pairs from {args.pairs}, embed_pos {embedder.encoder.embed_pos}, {str(embedder.dtype)[6:]}; "
           f"embedding {t1 - t0:.1f}s ({2 * len(queries) / (t1 - t0):.0f} seq/s), ranking {t2 - t1:.2f}s")
     print_metrics(m)
     if args.json:
@@ -467,13 +467,14 @@ def cmd_indirect(argv):
             if c < 3:
                 raise ValueError(f"c={c}: the RetrievalMixer needs the query and at least 2 targets")
 
-            def get_batch(split, step, micro, c=c):
+            def get_batch(split, step, micro, shard=0, shards=1, c=c):
                 rng = batch_rng(cfg, split, step, micro)
                 q_emb, t_emb = emb[split]
                 gen = torch.Generator().manual_seed(int(rng.integers(2 ** 62)))
                 match = torch.from_numpy(rng.integers(0, len(q_emb), cfg['batch_size']))
                 x, labels, rows = algorithm1(q_emb, t_emb, match, c, gen)
-                return rows, x, labels                        # rows (B, c) count as the step's "tokens"
+                mine = slice(shard * len(x) // shards, (shard + 1) * len(x) // shards)
+                return rows[mine], x[mine], labels[mine]      # rows (B, c) count as the step's "tokens"
 
             run = dict(cfg, out_dir=os.path.join(cfg['out_dir'], f'c{c}'))
             torch.manual_seed(cfg['seed'])
@@ -633,8 +634,9 @@ def int_list(text, name='n'):
 def embedding_parser(cmd, doc):
     """Options shared by the subcommands that embed with a checkpoint."""
     p = Parser(prog=f'retrieve.py {cmd}', description=doc)
-    p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu', help='cpu or cuda[:i]')
-    p.add_argument('--dtype', default='bfloat16', choices=list(DTYPES), help='autocast dtype of the embedding model')
+    p.add_argument('--device', default='auto', help='auto (cuda if present), cpu or cuda[:i]')
+    p.add_argument('--dtype', default='auto', choices=train.CHOICES['dtype'],
+                   help='autocast dtype of the embedding model (auto: bf16 where the hardware has it natively, else float32)')
     p.add_argument('--batch_size', type=int, default=32, help='texts embedded per forward pass')
     p.add_argument('--embed_pos', type=int, default=None,
                    help="window position of the embedding (default: the checkpoint's, else -1, the last token)")

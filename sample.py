@@ -23,14 +23,11 @@ import argparse
 import os
 import sys
 import time
-from contextlib import nullcontext
 
 import torch
 
 from prepare import Tokenizer
-from train import load_checkpoint, model_from_checkpoint
-
-DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+from train import CHOICES, choose_dtype, load_checkpoint, model_from_checkpoint, resolve_device
 
 
 class Parser(argparse.ArgumentParser):
@@ -56,8 +53,9 @@ def parse_args(argv):
                    help='cache (exact, O(n^2 d) per window) or window (the paper, O(n^3 d)); '
                         'for transformers, window is full recomputation without the KV cache')
     p.add_argument('--device', default='auto', help='auto = cuda if available, else cpu')
-    p.add_argument('--dtype', choices=tuple(DTYPES), default=None,
-                   help='autocast dtype (default float32 on cpu, bfloat16 on cuda)')
+    p.add_argument('--dtype', choices=CHOICES['dtype'], default='auto',
+                   help='dtype the weights are cast to for decoding (auto: bf16 on CUDA and on CPUs with native '
+                        'bf16, else float32, as train.py decides)')
     args = p.parse_args(argv)
     if args.out_dir and args.ckpt:
         raise ValueError('give --out_dir or --ckpt, not both')
@@ -81,22 +79,7 @@ def checkpoint_path(args):
     return best if os.path.isfile(best) else os.path.join(out_dir, 'ckpt.pt')
 
 
-def runtime(args):
-    """(device, autocast context) from --device and --dtype."""
-    name = ('cuda' if torch.cuda.is_available() else 'cpu') if args.device == 'auto' else args.device
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f'--device={name} is not a torch device: use cpu, cuda or cuda:N') from None
-    if device.type == 'cuda' and not torch.cuda.is_available():
-        raise ValueError(f'--device={name} but CUDA is not available: use --device=cpu')
-    dtype = args.dtype or ('bfloat16' if device.type == 'cuda' and torch.cuda.is_bf16_supported() else 'float32')
-    if dtype == 'float32':
-        return device, nullcontext()
-    return device, torch.autocast(device.type, dtype=DTYPES[dtype])
-
-
-def load(path, device):
+def load(path, device, dtype):
     """(model, tokenizer) of a train.py language-model checkpoint."""
     ckpt = load_checkpoint(path, map_location='cpu')
     if ckpt['kind'] != 'lm':
@@ -110,7 +93,9 @@ def load(path, device):
     except FileNotFoundError as e:
         raise FileNotFoundError(f"{e}: {path} reads its tokenizer from the data_dir it was trained on; "
                                 f"prepare that data again there") from None
-    return model_from_checkpoint(ckpt).to(device), tok
+    # Weights are cast once, not autocast: a decoding step is bound by reading the weights, and
+    # autocast would read every fp32 weight and write a bf16 copy of it again at every token.
+    return model_from_checkpoint(ckpt).to(device, dtype), tok
 
 
 def read_prompt(spec, tok, n_ctx):
@@ -130,7 +115,7 @@ def read_prompt(spec, tok, n_ctx):
     return ids
 
 
-def write_sample(model, tok, ids, args, autocast, generator):
+def write_sample(model, tok, ids, args, generator):
     """Print one sample as it is generated; returns the number of new tokens. The whole sequence
     is decoded at each step and only the new suffix printed, so pieces that are parts of one
     multi-byte character print once it is complete."""
@@ -138,20 +123,19 @@ def write_sample(model, tok, ids, args, autocast, generator):
     shown = tok.decode(ids)
     sys.stdout.write(shown)
     n_new = 0
-    with autocast:
-        steps = model.stream(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                             top_p=args.top_p, method=args.method, generator=generator)
-        for token, _ in steps:
-            token = int(token[0])
-            if token == tok.eos_id:  # end of document
-                break
-            ids.append(token)
-            n_new += 1
-            text = tok.decode(ids).rstrip('\ufffd')  # hold back an incomplete character
-            if len(text) > len(shown):
-                sys.stdout.write(text[len(shown):])
-                sys.stdout.flush()
-                shown = text
+    steps = model.stream(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, method=args.method, generator=generator)
+    for token, _ in steps:
+        token = int(token[0])
+        if token == tok.eos_id:  # end of document
+            break
+        ids.append(token)
+        n_new += 1
+        text = tok.decode(ids).rstrip('\ufffd')  # hold back an incomplete character
+        if len(text) > len(shown):
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
     sys.stdout.write(tok.decode(ids)[len(shown):] + '\n')  # what was held back, if anything
     return n_new
 
@@ -159,17 +143,19 @@ def write_sample(model, tok, ids, args, autocast, generator):
 def main(argv=None):
     try:
         args = parse_args(argv)
-        device, autocast = runtime(args)
+        device = resolve_device(args.device)
+        dtype, why = choose_dtype(device, args.dtype)
         path = checkpoint_path(args)
-        model, tok = load(path, device)
+        model, tok = load(path, device, dtype)
         prompt = read_prompt(args.prompt, tok, model.cfg.n_ctx)
-        print(f'sampling from {path} ({model.cfg.arch}, method {args.method}, {device})', file=sys.stderr)
+        print(f'sampling from {path} ({model.cfg.arch}, method {args.method}, {device} {str(dtype)[6:]}: {why})',
+              file=sys.stderr)
         generator = torch.Generator(device=device).manual_seed(args.seed)
         t0, n_new = time.perf_counter(), 0
         for i in range(args.num_samples):
             if i:
                 print('-' * 40)
-            n_new += write_sample(model, tok, list(prompt), args, autocast, generator)
+            n_new += write_sample(model, tok, list(prompt), args, generator)
     except (ValueError, FileNotFoundError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 2

@@ -668,13 +668,11 @@ def test_stream_prints_whole_characters_and_stops_at_eos(capsys):
     text = 'naïve ✓ 😀!'
     tokens = list(text.encode()) + [ByteTokenizer.eos_id, ord('x')]
     args = sample.parse_args(['--max_new_tokens=100'])
-    n = sample.write_sample(ScriptedModel(tokens), ByteTokenizer(), [], args,
-                            sample.nullcontext(), torch.Generator())
+    n = sample.write_sample(ScriptedModel(tokens), ByteTokenizer(), [], args, torch.Generator())
     assert capsys.readouterr().out == text + '\n'               # no U+FFFD pieces, nothing after EOS
     assert n == len(text.encode())
     # a sample that ends inside a character still prints all it decodes to
-    sample.write_sample(ScriptedModel(list(b'ok\xe2\x9c')), ByteTokenizer(), list(b'>'), args,
-                        sample.nullcontext(), torch.Generator())
+    sample.write_sample(ScriptedModel(list(b'ok\xe2\x9c')), ByteTokenizer(), list(b'>'), args, torch.Generator())
     assert capsys.readouterr().out == '>ok\ufffd\n'
 
 
@@ -1194,9 +1192,68 @@ def test_documents_mode_trains_llama_with_pad_mask(data, tmp_path):
     assert evals[-1]['train_loss'] < evals[0]['train_loss'] - 0.5
 
 
-def test_ddp_two_processes_equal_one(data, tmp_path):
-    common = [*TINY, f'--data_dir={data}', '--dtype=float32', '--grad_accum=2', '--max_iters=4',
-              '--eval_interval=4', '--grad_clip=0.5']
+def test_auto_dtype_falls_back_to_float32_without_native_bf16(monkeypatch, capsys):
+    monkeypatch.setenv(train.NO_BF16_ENV, '1')          # forced, so every machine tests the fallback
+    dtype, why = train.choose_dtype(torch.device('cpu'), 'auto')
+    assert dtype == torch.float32 and train.NO_BF16_ENV in why
+    monkeypatch.delenv(train.NO_BF16_ENV)
+    monkeypatch.setattr(train, '_cpu_probe', [])
+    monkeypatch.setattr(torch.ops.mkldnn, '_is_mkldnn_bf16_supported', lambda: False)   # an AVX2-only CPU
+    assert train.choose_dtype(torch.device('cpu'), 'auto') == (torch.float32, train.cpu_bf16()[1])
+    assert 'no native bf16' in train.cpu_bf16()[1]
+    dtype, _ = train.choose_dtype(torch.device('cpu'), 'bfloat16')   # an explicit dtype wins, with a warning
+    assert dtype == torch.bfloat16 and 'emulated' in capsys.readouterr().err
+    with pytest.raises(ValueError, match='float16 is for CUDA'):
+        train.choose_dtype(torch.device('cpu'), 'float16')
+
+
+def test_auto_dtype_picks_bf16_where_it_is_native(monkeypatch):
+    monkeypatch.delenv(train.NO_BF16_ENV, raising=False)
+    monkeypatch.setattr(torch.ops.mkldnn, '_is_mkldnn_bf16_supported', lambda: True)
+    for fp32_over_bf16, expected in ((4.0, torch.bfloat16), (1.0, torch.float32)):  # fast native / slow "native"
+        monkeypatch.setattr(train, '_cpu_probe', [])
+        monkeypatch.setattr(train, 'matmul_seconds', lambda dtype, *a: 1.0 if dtype == torch.bfloat16 else fp32_over_bf16)
+        assert train.choose_dtype(torch.device('cpu'), 'auto')[0] == expected
+    for has_bf16, expected in ((True, torch.bfloat16), (False, torch.float16)):     # CUDA, mocked
+        monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: has_bf16)
+        assert train.choose_dtype(torch.device('cuda'), 'auto')[0] == expected
+
+
+@pytest.mark.parametrize('accum, batch, world', [(1, 16, 1), (1, 16, 2), (1, 16, 8), (4, 16, 2), (4, 8, 8),
+                                                 (3, 4, 2), (2, 6, 3)])
+def test_rank_pieces_cover_every_row_once(accum, batch, world):
+    pieces = [p for r in range(world) for p in train.rank_pieces(accum, batch, world, r)]
+    shards = pieces[0][2]
+    assert sorted((m, s) for m, s, _ in pieces) == [(m, s) for m in range(accum) for s in range(shards)]
+    assert len({len(train.rank_pieces(accum, batch, world, r)) for r in range(world)}) == 1   # equal shares
+    assert batch % shards == 0
+
+
+def test_row_shards_are_the_micro_batch(data, corpus):
+    for mode in ('packed', 'documents'):
+        cfg = dict(train.DEFAULTS, n_ctx=16, batch_size=4, batch_mode=mode, padding='left')
+        get = train.Batches(cfg, train.load_meta(data), data)
+        whole = get('train', 3, 1)
+        halves = [get('train', 3, 1, s, 2) for s in range(2)]
+        for k in (0, 1):  # inputs and targets
+            assert torch.equal(whole[k], torch.cat([h[k] for h in halves]))
+    _, pdata, _, _ = corpus   # InfoNCE: a shard keeps its queries and every in-batch target, so the
+    tok = prepare.Tokenizer.from_dir(str(pdata))   # micro-batch loss is the mean of the shard losses
+    for negatives in ('inbatch', 'paper'):
+        cfg = dict(train.LOOP_DEFAULTS, data_dir=str(pdata), negatives=negatives, batch_size=4)
+        get = retrieve.PairBatches(cfg, tok, 32)
+        emb = torch.nn.Embedding(tok.vocab_size, 8)
+        loss = lambda b: retrieve.info_nce(*(lambda e: (e[:len(b[2])], e[len(b[2]):] if negatives == 'inbatch'
+                                             else e[len(b[2]):].view(len(b[2]), -1, 8)))(
+            F.normalize(emb(b[0]).mean(1), dim=-1)), b[2])
+        shard_losses = [loss(get('train', 2, 0, s, 2)) for s in range(2)]
+        torch.testing.assert_close(loss(get('train', 2, 0)), sum(shard_losses) / 2)
+
+
+@pytest.mark.parametrize('accum', [['--grad_accum=2'], []])  # [] = the default grad_accum=1: row shards
+def test_ddp_two_processes_equal_one(data, tmp_path, accum):
+    common = [*TINY, f'--data_dir={data}', '--dtype=float32', *accum, '--max_iters=4', '--eval_interval=4',
+              '--grad_clip=0.5']
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
            os.path.join(HERE, 'train.py'), *common, f'--out_dir={tmp_path / "ddp"}']
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
@@ -1303,7 +1360,7 @@ def test_bad_input(data, tmp_path, capsys, monkeypatch):
     assert 'not a torch device' in bad(capsys, [f'--data_dir={data}', '--device=gpu0', *TINY])
     assert 'float16 is for CUDA' in bad(capsys, [f'--data_dir={data}', '--dtype=float16', '--device=cpu', *TINY])
     monkeypatch.setenv('WORLD_SIZE', '2')  # the check comes before any process group is made
-    assert 'not divisible by the 2 processes' in bad(capsys, [f'--data_dir={data}', '--grad_accum=3'])
+    assert '2 processes cannot share a step' in bad(capsys, [f'--data_dir={data}', '--batch_size=3'])
     monkeypatch.delenv('WORLD_SIZE')
     out = tmp_path / 'o'
     assert train_run(data, out, '--max_iters=5', '--eval_interval=5') == 0

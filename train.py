@@ -13,10 +13,17 @@ Usage
            # two nodes: the same line on each node, with --node_rank=0 and --node_rank=1
 
 Batches. An optimizer step averages grad_accum micro-batches of batch_size sequences of n_ctx
-tokens, whatever the number of processes: the micro-batches are split over the DDP ranks, so
-grad_accum must be a multiple of the world size (4 GPUs, grad_accum=4: one micro-batch each).
-Micro-batch j of step s is a pure function of (seed, split, s, j), so ranks read disjoint
-streams, a run's data does not depend on its world size, and resuming needs only the step.
+tokens, whatever the number of processes, so a preset is the same experiment on 1 GPU or 8. The
+micro-batches are dealt out to the DDP ranks (4 GPUs, grad_accum=4: one each); where the ranks
+outnumber them, each micro-batch is cut into equal row shards (the defaults, grad_accum=1 and
+batch_size=16, run on 1, 2, 4, 8 or 16 processes as they are). Micro-batch j of step s is a pure
+function of (seed, split, s, j), so ranks read disjoint rows, a run's data does not depend on its
+world size, and resuming needs only the step.
+
+Precision. --dtype=auto (the default) picks bf16 autocast on CUDA GPUs that have it (fp16 with a
+GradScaler on those that don't) and on CPUs that multiply bf16 natively (AVX512-BF16, AMX), and
+float32 on every other CPU, where bf16 is emulated hundreds of times slower. The first log line
+says what was chosen and why; an explicit --dtype wins. NANOMIXER_NO_BF16=1 forces the fallback.
 
 Compute budget. The run stops when step reaches max_iters or the training time (evaluation
 excluded) reaches max_time seconds, whichever comes first (0 = no limit), then evaluates and
@@ -38,8 +45,9 @@ Reusable API (retrieve.py imports these names; they are stable)
         fused or foreach kernels where available)
   get_lr(cfg, step, progress) -> float   warmup by steps, then decay by budget fraction progress
   fit(cfg, rt, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_token=None) -> dict
-        the training loop. get_batch(split, step, micro) -> tuple of CPU tensors (the first one's
-        numel counts as tokens; None entries allowed), a pure function of its arguments;
+        the training loop. get_batch(split, step, micro, shard=0, shards=1) -> tuple of CPU
+        tensors (the first one's numel counts as tokens; None entries allowed), a pure function
+        of its arguments: row shard `shard` of `shards` of micro-batch `micro` (see rank_pieces);
         step=None asks for the fixed evaluation batch number `micro`. loss_fn(model, batch) ->
         scalar loss; it must call model(...) (DDP hooks live in forward). ckpt_extra: entries
         written into every checkpoint besides the loop's own (kind, model_config, data, ...).
@@ -87,7 +95,7 @@ LOOP_DEFAULTS = dict(
     eval_interval=250,
     eval_iters=20,
     log_interval=10,
-    dtype='bfloat16',       # bfloat16 | float16 (CUDA, with GradScaler) | float32
+    dtype='auto',           # auto: bf16 on CUDA and on CPUs with native bf16, else fp32 (fp16 on old GPUs)
     device='auto',          # auto = cuda if available, else cpu
     compile=False,
     seed=1337,
@@ -101,7 +109,7 @@ DEFAULTS = dict(
     **LOOP_DEFAULTS,
 )
 CHOICES = dict(batch_mode=('packed', 'documents'), padding=('right', 'left'), schedule=('linear', 'cosine'),
-               dtype=('bfloat16', 'float16', 'float32'), init_from=('scratch', 'resume'))
+               dtype=('auto', 'bfloat16', 'float16', 'float32'), init_from=('scratch', 'resume'))
 MODEL_KEYS = [f.name for f in fields(ModelConfig) if f.name != 'vocab_size']
 SPLITS = ('train', 'val')
 
@@ -184,7 +192,75 @@ def typed(key, value, defaults, source):
 # Dense bf16/fp16 tensor-core peaks from NVIDIA datasheets (TFLOP/s, first match in this order);
 # other GPUs, and float32, are measured.
 GPU_PEAK_TFLOPS = {'H200': 989, 'H100 PCIe': 756, 'H100': 989, 'A100': 312, 'L40S': 362, 'V100': 125}
-_peaks = {}
+NO_BF16_ENV = 'NANOMIXER_NO_BF16'  # =1: treat the CPU as one without native bf16 (tests force the fallback)
+_peaks, _cpu_probe = {}, []
+
+
+def matmul_seconds(dtype, n=256, reps=3):
+    """Best time of an n x n matmul on the CPU (a few ms unless the dtype is emulated)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    best = float('inf')
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def cpu_bf16():
+    """(use bf16?, why) for this CPU. bf16 pays only where the CPU multiplies bf16 natively
+    (AVX512-BF16/AMX, or Arm's BF16): elsewhere oneDNN emulates it ~500x slower than fp32. The
+    capability query decides, then a matmul probe (< 50 ms, once per process) confirms the speed."""
+    if os.environ.get(NO_BF16_ENV, '') not in ('', '0'):
+        return False, f"native bf16 switched off by {NO_BF16_ENV}"
+    if not _cpu_probe:
+        cap = torch.backends.cpu.get_cpu_capability()
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            _cpu_probe.append((False, f"no native bf16 on this CPU ({cap})"))
+        else:
+            matmul_seconds(torch.bfloat16, 64, 1)  # warm-up; then a 256^3 matmul each way
+            fp32, bf16 = matmul_seconds(torch.float32), matmul_seconds(torch.bfloat16)
+            fast = bf16 < 0.8 * fp32
+            _cpu_probe.append((fast, f"{'native' if fast else 'slow'} bf16 on this CPU ({cap}: "
+                                     f"bf16 matmul {fp32 / bf16:.1f}x fp32)"))
+    return _cpu_probe[0]
+
+
+def choose_dtype(device, requested='auto'):
+    """(torch dtype, why) for autocast. auto: CUDA bf16 where supported, else fp16 (with a
+    GradScaler); CPU bf16 where native and faster, else fp32. An explicit dtype wins."""
+    if requested != 'auto':
+        dtype = getattr(torch, requested)
+        if dtype == torch.float16 and device.type != 'cuda':
+            raise ValueError("--dtype=float16 is for CUDA GPUs (with a GradScaler): on CPU use auto, bfloat16 or float32")
+        if dtype == torch.bfloat16 and device.type == 'cpu' and not cpu_bf16()[0]:
+            print(f"warning: dtype=bfloat16 on a CPU without fast bf16 ({cpu_bf16()[1]}): matmuls are emulated, "
+                  f"hundreds of times slower than float32; leave --dtype=auto", file=sys.stderr)
+        return dtype, "as asked"
+    if device.type == 'cuda':
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "this GPU has bf16"
+        return torch.float16, "no bf16 on this GPU: fp16 with a GradScaler"
+    use, why = cpu_bf16()
+    return (torch.bfloat16 if use else torch.float32), why
+
+
+def resolve_device(name):
+    """'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or 'cuda:N' as a usable torch.device."""
+    try:
+        device = torch.device(('cuda' if torch.cuda.is_available() else 'cpu') if name == 'auto' else name)
+    except RuntimeError:
+        raise ValueError(f"--device={name} is not a torch device: use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ('cpu', 'cuda'):
+        raise ValueError(f"--device={name}: nanomixer runs on cpu or cuda (or auto)")
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        raise ValueError(f"--device={name} but no CUDA GPU is visible: use --device=cpu (or auto)")
+    return device
+
+
+def autocast(device, dtype):
+    """bf16/fp16 autocast on device; float32 runs as is."""
+    return nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype)
 
 
 @dataclass
@@ -195,16 +271,21 @@ class Runtime:
     rank: int = 0
     local_rank: int = 0
     world: int = 1
+    why: str = ''  # why this dtype (printed in the first log line)
 
     @property
     def master(self):  # the process that logs and saves
         return self.rank == 0
 
     def autocast(self):
-        return nullcontext() if self.dtype == torch.float32 else torch.autocast(self.device.type, self.dtype)
+        return autocast(self.device, self.dtype)
+
+    def describe(self):
+        return f"{self.device} {str(self.dtype)[6:]} ({self.why})"
 
     def peak_flops(self):
-        """MFU denominator, per device: datasheet peak for known GPUs, else a measured matmul."""
+        """MFU denominator for the dtype in use: datasheet peak for known GPUs, else a short
+        measured matmul (model.measure_peak_flops, a quarter of a second at most)."""
         key = (str(self.device), self.dtype)
         if key not in _peaks:
             name = torch.cuda.get_device_name(self.device) if self.device.type == 'cuda' else ''
@@ -217,35 +298,39 @@ class Runtime:
             dist.destroy_process_group()
 
 
+def rank_pieces(grad_accum, batch_size, world, rank):
+    """This rank's share of an optimizer step, as (micro, shard, shards) triples. A step is
+    grad_accum micro-batches of batch_size rows whatever the world size: whole micro-batches are
+    dealt out to the ranks, and where the ranks outnumber them (torchrun with the default
+    grad_accum=1) each micro-batch is cut into `shards` equal row shards. Every shard's loss is a
+    mean over its rows, and DDP averages the ranks, so the step's gradient is the same."""
+    shards = world // math.gcd(grad_accum, world)
+    if batch_size % shards:
+        raise ValueError(f"{world} processes cannot share a step of grad_accum={grad_accum} x batch_size={batch_size}: "
+                         f"use a batch_size divisible by {shards}, or a grad_accum divisible by {world}")
+    per_rank = grad_accum * shards // world
+    return [(p // shards, p % shards, shards) for p in range(rank * per_rank, (rank + 1) * per_rank)]
+
+
 def setup_runtime(cfg):
     """Device, DDP (when launched by torchrun), AMP dtype and GradScaler; seeds torch."""
     world = int(os.environ.get('WORLD_SIZE', 1))
     rank, local_rank = int(os.environ.get('RANK', 0)), int(os.environ.get('LOCAL_RANK', 0))
-    if cfg['grad_accum'] % world:
-        raise ValueError(f"grad_accum={cfg['grad_accum']} is not divisible by the {world} processes: "
-                         f"use a multiple of {world} (the micro-batches are split over the ranks)")
-    try:
-        auto = 'cuda' if torch.cuda.is_available() else 'cpu'
-        device = torch.device(auto if cfg['device'] == 'auto' else cfg['device'])
-    except RuntimeError:
-        raise ValueError(f"device={cfg['device']!r} is not a torch device: use auto, cpu, cuda or cuda:N") from None
-    if device.type == 'cuda' and not torch.cuda.is_available():
-        raise ValueError(f"device={cfg['device']} but no CUDA GPU is visible: use --device=cpu")
-    dtype = getattr(torch, cfg['dtype'])
-    if dtype == torch.float16 and device.type != 'cuda':
-        raise ValueError("dtype=float16 is for CUDA GPUs (with a GradScaler): on CPU use bfloat16 or float32")
+    rank_pieces(cfg['grad_accum'], cfg['batch_size'], world, rank)  # fails early if the ranks cannot share a step
+    device = resolve_device(cfg['device'])
+    dtype, why = choose_dtype(device, cfg['dtype'])
     if device.type == 'cuda':
         device = torch.device('cuda', local_rank if world > 1 else (device.index or 0))
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
             print("note: this GPU has no bfloat16: training in float16 with a GradScaler")
-            dtype = torch.float16
+            dtype, why = torch.float16, "no bf16 on this GPU: fp16 with a GradScaler"
     if world > 1 and not dist.is_initialized():
         dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo')
     torch.manual_seed(cfg['seed'])  # identical initial weights on every rank
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    return Runtime(device, dtype, scaler, rank, local_rank, world)
+    return Runtime(device, dtype, scaler, rank, local_rank, world, why)
 
 
 def configure_optimizer(model, lr, weight_decay, device_type, betas=(0.9, 0.999)):
@@ -378,7 +463,7 @@ def fit(cfg, rt, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_t
               forward_sync_buffers=False) if rt.world > 1 else net  # buffers (RoPE tables) are constant
     log = open(log_path, 'a') if rt.master else None
     peak = rt.peak_flops() if flops_per_token else None
-    local_accum, start = cfg['grad_accum'] // rt.world, st['step']
+    pieces, start = rank_pieces(cfg['grad_accum'], cfg['batch_size'], rt.world, rt.rank), st['step']
     loss_sum, n_micro, interval_t, interval_tokens, lr = torch.zeros((), device=rt.device), 0, 0.0, 0, 0.0
     result = dict(train_loss=float('nan'), val_loss=float('nan'), stopped='budget')
     saved = start if resume is not None else None  # step of the checkpoint on disk
@@ -423,19 +508,20 @@ def fit(cfg, rt, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_t
         if done:
             break
 
-        # one optimizer step: local_accum micro-batches on this rank, gradients averaged by DDP
+        # one optimizer step: this rank's micro-batches (or row shards of them), gradients averaged by DDP
         t0 = time.perf_counter()
         lr = get_lr(cfg, st['step'], progress)
         for group in optimizer.param_groups:
             group['lr'] = lr
-        for m in range(local_accum):
-            batch = to_device(get_batch('train', st['step'], rt.rank * local_accum + m), rt.device)
-            sync = m == local_accum - 1 or rt.world == 1
+        tokens = 0
+        for i, (micro, shard, shards) in enumerate(pieces):
+            batch = to_device(get_batch('train', st['step'], micro, shard, shards), rt.device)
+            sync = i == len(pieces) - 1 or rt.world == 1
             with nullcontext() if sync else ddp.no_sync(), rt.autocast():
                 loss = loss_fn(ddp, batch)
-            rt.scaler.scale(loss / local_accum).backward()
+            rt.scaler.scale(loss / len(pieces)).backward()
             loss_sum += loss.detach()
-        tokens = local_accum * batch[0].numel() * rt.world  # this step's, over all ranks
+            tokens += batch[0].numel() * rt.world  # this step's, over all ranks
         st['tokens_seen'] += tokens
         interval_tokens += tokens
         if cfg['grad_clip']:
@@ -445,7 +531,7 @@ def fit(cfg, rt, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_t
         rt.scaler.update()
         optimizer.zero_grad(set_to_none=True)
         st['step'] += 1
-        n_micro += local_accum
+        n_micro += len(pieces)
         dt = time.perf_counter() - t0
         if cfg['max_time'] and rt.world > 1:  # every rank follows rank 0's clock (lr and stop)
             dt_t = torch.tensor([dt], dtype=torch.float64, device=rt.device)
@@ -461,7 +547,7 @@ def fit(cfg, rt, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_t
             if not math.isfinite(train_loss):
                 diverged('the training loss', train_loss)
                 break
-            n_steps = n_micro // local_accum
+            n_steps = n_micro // len(pieces)
             tps = interval_tokens / interval_t
             rec = dict(loss=round(train_loss, 5), lr=lr, ms_per_step=round(1000 * interval_t / n_steps, 2),
                        tokens_per_s=round(tps, 1), tokens_seen=st['tokens_seen'])
@@ -541,20 +627,23 @@ class Batches:
                     raise ValueError(f"{data_dir}: no {split} document has 2 tokens or more")
                 self.docs[split] = (starts, lengths, np.cumsum(chunks))
 
-    def __call__(self, split, step, micro):
-        """(x, targets, mask): x (B, n_ctx) inputs, targets for the objective, mask (B, n_ctx) or None."""
-        cfg, n, tokens = self.cfg, self.n, self.tokens[split]
+    def __call__(self, split, step, micro, shard=0, shards=1):
+        """(x, targets, mask): x (B, n_ctx) inputs, targets for the objective, mask (B, n_ctx) or None.
+        With shards > 1 only rows [shard * B/shards, (shard + 1) * B/shards) of the micro-batch."""
+        cfg, n, tokens, B = self.cfg, self.n, self.tokens[split], self.cfg['batch_size']
         key = [cfg['seed'], SPLITS.index(split), 0 if step is None else 1, step or 0, micro]
         rng = np.random.default_rng(key)
+        rows = slice(shard * B // shards, (shard + 1) * B // shards)
         if cfg['batch_mode'] == 'packed':  # nanoGPT: random windows of n_ctx + 1 tokens
-            offsets = rng.integers(0, len(tokens) - n, size=cfg['batch_size'])
+            offsets = rng.integers(0, len(tokens) - n, size=B)[rows]
             w = torch.from_numpy(np.stack([tokens[o:o + n + 1] for o in offsets]).astype(np.int64))
             x, y, mask = w[:, :-1], w[:, 1:], None
         else:  # a random chunk of a document (its first n_ctx + 1 tokens, its next ...), padded
             starts, lengths, ends = self.docs[split]
-            x = np.full((cfg['batch_size'], n), self.pad, dtype=np.int64)
-            y = np.full((cfg['batch_size'], n), -1, dtype=np.int64)
-            for row, c in enumerate(rng.integers(0, ends[-1], size=cfg['batch_size'])):
+            chunks = rng.integers(0, ends[-1], size=B)[rows]
+            x = np.full((len(chunks), n), self.pad, dtype=np.int64)
+            y = np.full((len(chunks), n), -1, dtype=np.int64)
+            for row, c in enumerate(chunks):
                 d = np.searchsorted(ends, c, side='right')           # the document holding chunk c
                 at = (c - (ends[d - 1] if d else 0)) * n              # chunk start within the document
                 w = tokens[starts[d] + at:starts[d] + min(lengths[d], at + n + 1)].astype(np.int64)
@@ -590,7 +679,7 @@ def main(argv=None):
         model = build_model(mcfg)
         if rt.master:
             print(f"{mcfg.arch} {mcfg.objective}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-                  f"{rt.device} {str(rt.dtype)[6:]}, {rt.world} process(es), "
+                  f"{rt.describe()}, {rt.world} process(es), "
                   f"{cfg['batch_size'] * cfg['grad_accum'] * mcfg.n_ctx:,} tokens per step")
         extra = {'kind': 'lm', 'model_config': asdict(mcfg),
                  'data': {'data_dir': os.path.abspath(cfg['data_dir']), 'meta': meta}}
