@@ -710,20 +710,29 @@ def flops_per_token(cfg):
 def measure_peak_flops(device='cpu', dtype=torch.float32, budget=0.25):
     """The denominator of MFU: the best FLOP/s of a square matmul in dtype on device. The size
     starts small and doubles (up to 4096) only while the next size fits in what is left of
-    `budget` seconds, so the probe is quick on a fast GPU and on a CPU that emulates bf16 alike."""
+    `budget` seconds, so the probe is quick on a fast GPU and on a CPU that emulates bf16 alike.
+    On a CPU one thread is timed and scaled by the thread count: small matmuls on several threads
+    measure thread wake-ups more than arithmetic, badly so on a busy machine."""
     import time
-    sync = torch.cuda.synchronize if torch.device(device).type == 'cuda' else (lambda: None)
+    cuda = torch.device(device).type == 'cuda'
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    threads = 1 if cuda else torch.get_num_threads()
     deadline, best, n = time.perf_counter() + budget, 0.0, 128
-    while True:
-        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-        dt = float('inf')
-        for _ in range(4):  # the first run warms up; keep the best of all
-            sync()
-            t0 = time.perf_counter()
-            a @ b
-            sync()
-            dt = min(dt, time.perf_counter() - t0)
-        best = max(best, 2 * n ** 3 / dt)
-        if n >= 4096 or time.perf_counter() + 4 * 8 * dt > deadline:  # 2n costs 8x per matmul
-            return best
-        n *= 2
+    if not cuda:
+        torch.set_num_threads(1)
+    try:
+        while True:
+            a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+            dt = float('inf')
+            for _ in range(4):  # the first run warms up; keep the best of all
+                sync()
+                t0 = time.perf_counter()
+                a @ b
+                sync()
+                dt = min(dt, time.perf_counter() - t0)
+            best = max(best, 2 * n ** 3 / dt)
+            if n >= 4096 or time.perf_counter() + 4 * 8 * dt > deadline:  # 2n costs 8x per matmul
+                return best * threads
+            n *= 2
+    finally:
+        torch.set_num_threads(threads)

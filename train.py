@@ -216,13 +216,13 @@ def cpu_bf16():
     if not _cpu_probe:
         cap = torch.backends.cpu.get_cpu_capability()
         if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            _cpu_probe.append((False, f"no native bf16 on this CPU ({cap})"))
+            _cpu_probe.append((False, f"no native bf16 on this CPU: {cap}"))
         else:
             matmul_seconds(torch.bfloat16, 64, 1)  # warm-up; then a 256^3 matmul each way
             fp32, bf16 = matmul_seconds(torch.float32), matmul_seconds(torch.bfloat16)
             fast = bf16 < 0.8 * fp32
-            _cpu_probe.append((fast, f"{'native' if fast else 'slow'} bf16 on this CPU ({cap}: "
-                                     f"bf16 matmul {fp32 / bf16:.1f}x fp32)"))
+            _cpu_probe.append((fast, f"{'native' if fast else 'slow'} bf16 on this CPU: {cap}, "
+                                     f"bf16 matmul {fp32 / bf16:.1f}x fp32"))
     return _cpu_probe[0]
 
 
@@ -285,7 +285,7 @@ class Runtime:
 
     def peak_flops(self):
         """MFU denominator for the dtype in use: datasheet peak for known GPUs, else a short
-        measured matmul (model.measure_peak_flops, a quarter of a second at most)."""
+        measured matmul (model.measure_peak_flops, about a quarter of a second)."""
         key = (str(self.device), self.dtype)
         if key not in _peaks:
             name = torch.cuda.get_device_name(self.device) if self.device.type == 'cuda' else ''
