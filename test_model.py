@@ -1649,6 +1649,24 @@ def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     assert train.load_checkpoint(out_dir / 'ckpt.pt')['step'] == 70
 
 
+def test_retrieval_ddp_row_shards_equal_one_process(corpus, capsys, tmp_path):
+    """torchrun with retrieve.py train's defaults (grad_accum=1): each rank embeds half the queries
+    and every in-batch target, and the step equals the one-process step."""
+    _, data, mixer, _ = corpus
+    common = ['train', f'--init_from={mixer}', f'--data_dir={data}', '--batch_size=8', '--lr=2e-3', '--max_iters=1',
+              '--eval_interval=1', '--eval_iters=1', '--dtype=float32']
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+           os.path.join(HERE, 'retrieve.py'), *common, f'--out_dir={tmp_path / "ddp"}']
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.stdout[-1500:], proc.stderr[-3000:])
+    assert retrieve_run([*common, f'--out_dir={tmp_path / "one"}'], capsys)[0] == 0
+    (ddp,), (one,) = records(tmp_path / 'ddp', 'loss'), records(tmp_path / 'one', 'loss')
+    assert ddp['loss'] == pytest.approx(one['loss'], rel=1e-5)      # the step's loss: mean of the shard losses
+    a, b = weights(tmp_path / 'ddp'), weights(tmp_path / 'one')
+    for k, v in a['model'].items():  # Adam's first step is ~lr * sign(grad): near-zero gradients may differ
+        torch.testing.assert_close(v, b['model'][k], rtol=0, atol=0.5 * 2e-3 / 21)
+
+
 def test_train_paper_negatives_and_autoencoder_encoder(corpus, autoencoder, capsys, tmp_path):
     _, data, _, llama = corpus
     for ckpt, extra in ((llama, ['--negatives=paper', '--batch_size=1', '--grad_accum=2']), (autoencoder, [])):
