@@ -554,6 +554,8 @@ def main(argv=None):
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
+    except KeyboardInterrupt:
+        raise SystemExit(130)
 
 
 def run(argv):

@@ -174,7 +174,7 @@ def text_files(patterns, out_dir):
     out_dir = os.path.abspath(out_dir)
     files = [f for f in map(os.path.abspath, dict.fromkeys(files)) if os.path.commonpath([f, out_dir]) != out_dir]
     if not files:
-        raise ValueError(f"--input {' '.join(patterns)} holds no files")
+        raise ValueError(f"--input {' '.join(patterns)} holds no files (outside --out_dir {out_dir})")
     if unreadable := [f for f in files if not os.access(f, os.R_OK)]:
         raise ValueError(f'cannot read --input file {unreadable[0]}')
     root = os.path.commonpath([os.path.dirname(f) for f in files])
@@ -637,6 +637,9 @@ def main(argv=None):
         return 2
     except SystemExit as e:  # --help
         return e.code or 0
+    except KeyboardInterrupt:
+        print('interrupted: nothing was replaced; run the same command again to finish', file=sys.stderr)
+        return 130
 
 
 if __name__ == '__main__':

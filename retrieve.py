@@ -715,6 +715,9 @@ def main(argv=None):
         return 2
     except SystemExit as e:  # --help
         return e.code or 0
+    except KeyboardInterrupt:
+        print("interrupted: finished outputs are whole (train: continue with --init_from=resume)", file=sys.stderr)
+        return 130
 
 
 if __name__ == '__main__':

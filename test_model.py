@@ -1935,7 +1935,8 @@ def test_small_corpus_gets_a_val_split(n_files, tmp_path, capsys):
     assert meta['val_tokens'] > 0 and meta['train_tokens'] > meta['val_tokens']
     assert train_run(tmp_path / 'data', tmp_path / 'out', '--n_ctx=16', '--max_iters=2', '--eval_interval=2') == 0
     (src / 'tiny.txt').write_text('x')
-    refused(capsys, 'prepare', ['text', f'--input={src / "tiny.txt"}', f'--out_dir={tmp_path / "t"}'], 'too small')
+    refused(capsys, 'prepare', ['text', f'--input={src / "tiny.txt"}', f'--out_dir={tmp_path / "data"}'], 'too small',
+            keep=[tmp_path / 'data'])
 
 
 # 3. every flag's value is checked before any work
@@ -2044,7 +2045,7 @@ def test_leftovers_are_cleaned_up(data, tmp_path, capsys):
     assert sorted(os.listdir(out)) == ['best.pt', 'ckpt.pt', 'log.jsonl']
     (tmp_path / 'garbage.model').write_bytes(b'not a tokenizer')
     refused(capsys, 'prepare', ['text', f'--input={data}/../corpus.txt', f'--tokenizer={tmp_path / "garbage.model"}',
-                                f'--out_dir={tmp_path / "d"}'], 'garbage.model')
+                                f'--out_dir={tmp_path / "d"}'], 'garbage.model', keep=[os.path.dirname(data)])
     assert not [n for n in os.listdir(tmp_path / 'd') if '.tmp' in n]
     src = tmp_path / 'src'
     src.mkdir()

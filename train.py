@@ -32,7 +32,8 @@ or cosine) to min_lr as the budget is used up; with max_time the budget fraction
 time, so time-budgeted runs are fair but not bit-reproducible (step budgets are).
 
 Files in out_dir: ckpt.pt (last), best.pt (lowest val loss), log.jsonl (one JSON object per
-log line and per evaluation; a resumed run first drops records past its checkpoint's step).
+log line and per evaluation; a resumed run first drops records past its checkpoint's step). A
+scratch run refuses an out_dir that holds a run: resume it, pass --overwrite, or use a new out_dir.
 
 Reusable API (retrieve.py imports these names; they are stable)
   DEFAULTS / LOOP_DEFAULTS       every train.py key / the keys that `fit` and `setup_runtime` read
@@ -469,7 +470,7 @@ def remove_leftovers(out_dir, fresh):
     """Delete the temp files of a killed run (NAME.tmpPID whose process is gone) and, for a fresh
     run (which the user allowed with --overwrite), the previous run's checkpoints and log."""
     for name in os.listdir(out_dir):
-        stem, tmp, pid = name.rpartition('.tmp')
+        _, tmp, pid = name.rpartition('.tmp')
         if tmp and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             os.remove(os.path.join(out_dir, name))
         elif fresh and name in ('ckpt.pt', 'best.pt', 'log.jsonl'):
@@ -700,7 +701,8 @@ class Batches:
                 try:
                     starts = np.load(os.path.join(data_dir, f'{split}_docs.npy')).astype(np.int64)
                 except (OSError, ValueError) as e:
-                    raise ValueError(f"{data_dir}/{split}_docs.npy is missing or damaged ({e}): prepare the data again") from None
+                    raise ValueError(f"{data_dir}/{split}_docs.npy is missing or damaged ({getattr(e, 'strerror', None) or e}): "
+                                     f"prepare the data again") from None
                 lengths = np.diff(np.append(starts, len(tokens)))
                 chunks = (lengths + self.n - 2) // self.n  # ceil((length - 1) / n_ctx): inputs need a next token
                 if not chunks.sum():
@@ -770,6 +772,9 @@ def main(argv=None):
         return 2
     except SystemExit as e:  # --help
         return e.code
+    except KeyboardInterrupt:  # checkpoints are written atomically: the last one is whole
+        print("interrupted: continue from the last checkpoint with --init_from=resume", file=sys.stderr)
+        return 130
     finally:
         if rt is not None:
             rt.close()
