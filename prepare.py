@@ -513,11 +513,11 @@ def remove_tmp(out_dir):
 
 def prepare(args):
     t0 = time.time()
-    from train import check_out_dir  # (imports torch: not at the top, where encoding workers would pay for it)
-    check_out_dir(args.out_dir)
     about, default_vocab, val_share, default_pairs = DATASETS[args.dataset]
     pairs, tok = args.pairs or default_pairs, args.tokenizer
     read, inputs, total, source = (hub_documents if args.dataset in HUB else local_documents)(args, val_share)
+    from train import check_out_dir  # (imports torch: not at the top, where encoding workers would pay for it)
+    check_out_dir(args.out_dir)
 
     def documents():  # the stream, cut after --max_docs training documents
         n_train = 0

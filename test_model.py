@@ -1949,6 +1949,7 @@ def test_small_corpus_gets_a_val_split(n_files, tmp_path, capsys):
     ('train', ['--eval_iters=0'], '--eval_iters'),
     ('train', ['--batch_size=0'], '--batch_size'),
     ('train', ['--lr=nan'], '--lr'),
+    ('train', ['--min_lr=1'], '--min_lr'),
     ('train', ['--n_ctx=1'], '--n_ctx'),
     ('sample', ['--temperature=nan'], '--temperature'),
     ('sample', ['--temperature=1e-45'], '--temperature'),

@@ -149,9 +149,9 @@ def parse_args(argv, defaults, choices=None, doc=None):
             raise ValueError(f"{key}={cfg[key]!r} is invalid: use one of {', '.join(allowed)}")
     for key, low in LOWEST.items():
         if key in cfg and not low <= cfg[key] < 2 ** 63:
-            raise ValueError(f"--{key}={cfg[key]!r} is out of range: use a value >= {low}")
-    if 'lr' in cfg and not cfg['lr'] > 0:
-        raise ValueError(f"--lr={cfg['lr']!r} must be > 0")
+            raise ValueError(f"--{key}={cfg[key]!r} is out of range: use a value >= {low}" + " (and < 2**63)" * (cfg[key] > 0))
+    if 'lr' in cfg and not 0 < cfg['lr'] >= cfg.get('min_lr', 0):
+        raise ValueError(f"--lr={cfg['lr']!r} must be > 0 and >= --min_lr={cfg.get('min_lr')!r}")
     return cfg
 
 
