@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from model import Backbone, Ctx, ModelConfig, build_model, flops_per_token, measure_peak_flops
-from train import CHOICES, autocast as amp, choose_dtype, resolve_device
+from train import CHOICES, autocast as amp, check_output_file, choose_dtype, resolve_device
 
 MODES = ('throughput', 'memory', 'generate', 'represent', 'all')
 
@@ -48,8 +48,8 @@ FULL = {
 
 
 def fail(msg):
-    """The CLI's one way out on bad input: a one-line message and exit status 1."""
-    raise SystemExit(f"error: {msg}")
+    """Bad input, as in every script: a ValueError that main() prints as one `error: ...` line, exit status 2."""
+    raise ValueError(msg)
 
 
 def parse_args(argv):
@@ -88,7 +88,17 @@ def parse_args(argv):
     g.add_argument('--steps', type=int, default=500, help="gradient descent steps N")
     g.add_argument('--lr', type=float, default=0.05, help="initial step size; decays linearly to lr/10")
     g.add_argument('--arch', help=argparse.SUPPRESS)  # memory_cell: the one cell to run
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for key, low in dict(d_model=1, batch_size=1, vocab_size=2, warmup=0, repeats=1, mem_limit=0, prompt=1,
+                         new_tokens=1, steps=1).items():
+        if getattr(args, key) is not None and getattr(args, key) < low:
+            fail(f"--{key}={getattr(args, key)} is out of range: use a value >= {low}")
+    if not 0 < args.lr < float('inf'):
+        fail(f"--lr={args.lr} must be a finite number > 0")
+    for key in ('json', 'plot'):  # before the benchmark, not after it
+        if getattr(args, key):
+            check_output_file(getattr(args, key), key)
+    return args
 
 
 def settings(args, mode):
@@ -538,6 +548,17 @@ def plot(rows, path):
 
 
 def main(argv=None):
+    """The benchmark's rows; bad input prints one `error: ...` line and exits with status 2."""
+    try:
+        return run(argv)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    except KeyboardInterrupt:
+        raise SystemExit(130)
+
+
+def run(argv):
     args = parse_args(argv)
     if args.mode == 'memory_cell':
         return memory_cell(args)

@@ -63,17 +63,14 @@ DEFAULT_NS = tuple(2 ** k for k in range(5, 14))   # 32, 64, ..., 8192: the colu
 
 def read_jsonl(path):
     """(line number, JSON value) for each non-blank line of a .jsonl file; a bad line is an error naming file:line."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no such file: {path}")
     rows = []
-    with open(path, encoding='utf-8') as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append((lineno, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg}): fix or delete that line") from None
+    for lineno, line in enumerate(train.read_text_file(path, 'JSONL file').split('\n'), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((lineno, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg}): fix or delete that line") from None
     return rows
 
 
@@ -312,6 +309,7 @@ def cmd_train(argv):
     embed_pos = src.get('embed_pos', -1) if embed_pos is None else embed_pos
     encoder = TextEncoder(train.model_from_checkpoint(src), embed_pos)
     n_ctx = encoder.model.cfg.n_ctx
+    train.check_out_dir(cfg['out_dir'], resume is None, cfg['overwrite'])
     get_batch = PairBatches(cfg, Tokenizer.from_meta(src['data']['meta'], src['data']['data_dir']), n_ctx)
     rt = train.setup_runtime(cfg)
     try:
@@ -389,6 +387,8 @@ def print_metrics(m):
 
 def cmd_eval(args):
     queries, targets = read_pairs(args.pairs)
+    if args.json:
+        train.check_output_file(args.json, 'json')
     embedder = Embedder(args.ckpt, args.device, args.dtype, args.batch_size, args.embed_pos)
     ns = cap_ns(int_list(args.n, 'n'), len(queries))
     t0 = time.perf_counter()
@@ -451,8 +451,14 @@ def cmd_indirect(argv):
     cfg = train.parse_args(argv, INDIRECT_DEFAULTS, dict(dtype=train.CHOICES['dtype']))
     if not cfg['ckpt']:
         raise ValueError("pass the embedding model: --ckpt=out/ckpt.pt")
-    cs = int_list(cfg['c'], 'c')
     pairs = {s: read_pairs(os.path.join(cfg['data_dir'], f'pairs_{s}.jsonl')) for s in train.SPLITS}
+    cs = cap_ns(int_list(cfg['c'], 'c'), min(len(pairs[s][0]) for s in pairs))
+    for c in cs:  # every value and output location, before any embedding or training
+        if c < 3:
+            raise ValueError(f"--c={c}: the RetrievalMixer needs the query and at least 2 targets")
+        train.check_out_dir(os.path.join(cfg['out_dir'], f'c{c}'), True, cfg['overwrite'], resumable=False)
+    if cfg['json']:
+        train.check_output_file(cfg['json'], 'json')
     rt = train.setup_runtime(cfg)
     try:
         embedder = Embedder(cfg['ckpt'], rt.device, cfg['dtype'], embed_pos=embed_pos_arg(cfg['embed_pos']))
@@ -463,10 +469,7 @@ def cmd_indirect(argv):
             print(f"embedded {sum(2 * len(pairs[s][0]) for s in pairs)} texts with {cfg['ckpt']} in "
                   f"{time.perf_counter() - t0:.1f}s (frozen, embed_pos {embedder.encoder.embed_pos})")
         results = {}
-        for c in cap_ns(cs, min(len(pairs[s][0]) for s in pairs)):
-            if c < 3:
-                raise ValueError(f"c={c}: the RetrievalMixer needs the query and at least 2 targets")
-
+        for c in cs:
             def get_batch(split, step, micro, shard=0, shards=1, c=c):
                 rng = batch_rng(cfg, split, step, micro)
                 q_emb, t_emb = emb[split]
@@ -546,6 +549,13 @@ def chunk_document(tok, text, n_ctx):
 
 
 def cmd_index(args):
+    manifest = os.path.join(args.index, 'manifest.json')
+    if os.path.isfile(manifest) and not args.overwrite:
+        raise ValueError(f"--index={args.index} already holds an index: replace it with --overwrite, "
+                         f"or pass a new --index folder")
+    if os.path.isdir(args.index) and os.listdir(args.index) and not os.path.isfile(manifest):
+        raise ValueError(f"--index={args.index} is a folder of other files, not an index: pass a new or empty folder")
+    train.check_out_dir(args.index, flag='index')
     embedder = Embedder(args.ckpt, args.device, args.dtype, args.batch_size, args.embed_pos)
     docs = collect_documents(args.docs)
     if not docs:
@@ -643,6 +653,15 @@ def embedding_parser(cmd, doc):
     return p
 
 
+def parse(p, argv):
+    """p's arguments, the counts checked before any work."""
+    args = p.parse_args(argv)
+    for key, low in (('batch_size', 1), ('show', 0)):
+        if getattr(args, key, low) < low:
+            raise ValueError(f"--{key}={getattr(args, key)} is out of range: use a value >= {low}")
+    return args
+
+
 def parse_eval(argv):
     p = embedding_parser('eval', "Top-1 retrieval accuracy for n candidates (paper Tables 1/3/4), MRR@10, recall@k.")
     p.add_argument('--ckpt', required=True, help="an 'lm' or 'retrieval' checkpoint")
@@ -651,7 +670,7 @@ def parse_eval(argv):
                    help='candidates per query: its target + n-1 others (default 32,64,...,8192; capped at the pair count)')
     p.add_argument('--seed', type=int, default=0, help='seed of the sampled negatives')
     p.add_argument('--json', help='also write the metrics to this JSON file')
-    return p.parse_args(argv)
+    return parse(p, argv)
 
 
 def parse_index(argv):
@@ -659,7 +678,8 @@ def parse_index(argv):
     p.add_argument('--ckpt', required=True, help="the embedding model (best: a 'retrieval' checkpoint)")
     p.add_argument('--docs', required=True, nargs='+', help='folders, text files or .jsonl files ("text" fields)')
     p.add_argument('--index', required=True, help='the index folder to write')
-    return p.parse_args(argv)
+    p.add_argument('--overwrite', action='store_true', help='replace the index already in --index')
+    return parse(p, argv)
 
 
 def parse_search(argv):
@@ -669,7 +689,7 @@ def parse_search(argv):
     p.add_argument('--k', type=int, default=5, help='how many results')
     p.add_argument('--ckpt', help="the index's model, if it moved (its weights must match the index's)")
     p.add_argument('--show', type=int, default=300, help='characters of each chunk to print')
-    return p.parse_args(argv)
+    return parse(p, argv)
 
 
 COMMANDS = {
@@ -695,6 +715,9 @@ def main(argv=None):
         return 2
     except SystemExit as e:  # --help
         return e.code or 0
+    except KeyboardInterrupt:
+        print("interrupted: finished outputs are whole (train: continue with --init_from=resume)", file=sys.stderr)
+        return 130
 
 
 if __name__ == '__main__':

@@ -20,6 +20,7 @@ and continue. Transformers use their KV cache (ELiTA: its recurrent running sums
 and plain full recomputation of the window for `window`.
 """
 import argparse
+import math
 import os
 import sys
 import time
@@ -27,7 +28,7 @@ import time
 import torch
 
 from prepare import Tokenizer
-from train import CHOICES, choose_dtype, load_checkpoint, model_from_checkpoint, resolve_device
+from train import CHOICES, choose_dtype, load_checkpoint, model_from_checkpoint, read_text_file, resolve_device
 
 
 class Parser(argparse.ArgumentParser):
@@ -59,14 +60,16 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.out_dir and args.ckpt:
         raise ValueError('give --out_dir or --ckpt, not both')
-    if args.temperature < 0:
-        raise ValueError(f'--temperature={args.temperature} must be >= 0 (0 = greedy)')
+    if not (args.temperature == 0 or 1e-3 <= args.temperature < math.inf):
+        raise ValueError(f'--temperature={args.temperature} must be 0 (greedy) or a number >= 0.001')
     if args.top_k is not None and args.top_k < 1:
         raise ValueError(f'--top_k={args.top_k} must be >= 1 (leave it out to keep every token)')
     if not 0 < args.top_p <= 1:
         raise ValueError(f'--top_p={args.top_p} must lie in (0, 1] (1 = off)')
     if args.num_samples < 1 or args.max_new_tokens < 0:
         raise ValueError('--num_samples must be >= 1 and --max_new_tokens >= 0')
+    if not 0 <= args.seed < 2 ** 63:
+        raise ValueError(f'--seed={args.seed} must lie in [0, 2**63)')
     return args
 
 
@@ -88,6 +91,9 @@ def load(path, device, dtype):
     if mcfg['objective'] not in ('clm', 'mtp2') or not mcfg['causal']:
         raise ValueError(f"{path} holds a model trained with objective={mcfg['objective']}, "
                          f"causal={mcfg['causal']}: only causal next-token models (clm, mtp2) generate text")
+    if mcfg['n_ctx'] < 2:
+        raise ValueError(f"{path} holds a model with n_ctx={mcfg['n_ctx']}: its window has no room for a new "
+                         f"token after the first; train with --n_ctx >= 2")
     try:
         tok = Tokenizer.from_meta(ckpt['data']['meta'], ckpt['data']['data_dir'])
     except FileNotFoundError as e:
@@ -102,11 +108,7 @@ def read_prompt(spec, tok, n_ctx):
     """Prompt token ids: BOS + text (documents start with BOS in prepare.py's streams), at most
     n_ctx - 1 of them so the first new token still fits in the window."""
     if spec.startswith('FILE:'):
-        path = spec[len('FILE:'):]
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f'prompt file {path} not found (--prompt=FILE:path)')
-        with open(path, encoding='utf-8') as f:
-            spec = f.read()
+        spec = read_text_file(spec[len('FILE:'):], '--prompt=FILE: file')
     ids = tok.encode(spec, bos=True)
     if len(ids) > n_ctx - 1:
         print(f'warning: the prompt has {len(ids)} tokens; keeping its last {n_ctx - 1} '

@@ -4,6 +4,7 @@ Sections: model.py (causality of every variant and objective, padding, attention
 written-out reference, overfitting, accounting), decoding and sample.py, prepare.py, train.py,
 retrieve.py, bench.py.
 """
+import contextlib
 import dataclasses
 from dataclasses import asdict, replace
 import hashlib
@@ -15,6 +16,7 @@ import os
 import platform
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -1616,7 +1618,8 @@ def test_search_refuses_another_checkpoint_and_empty_queries(corpus, capsys, tmp
     assert code == 2 and err.startswith('error: ') and 'other weights' in err and len(err.splitlines()) == 1
     code, out, err = retrieve_run(['search', f'--index={index}', '--query=  '], capsys)
     assert code == 2 and 'empty query' in err
-    assert retrieve_run(['index', f'--ckpt={llama}', f'--docs={data / "pairs_val.jsonl"}', f'--index={index}'], capsys)[0] == 0
+    assert retrieve_run(['index', f'--ckpt={llama}', f'--docs={data / "pairs_val.jsonl"}', f'--index={index}',
+                         '--overwrite'], capsys)[0] == 0
     code, out, err = retrieve_run(['search', f'--index={index}', '--query=sort the load', f'--ckpt={llama}'], capsys)
     assert code == 0 and out.startswith('1. ')                           # rebuilt for llama: its files only
     assert sorted(p.name.split('.')[0] for p in index.iterdir()) == ['chunks', 'embeddings', 'manifest']
@@ -1718,12 +1721,13 @@ BENCH_TINY = ['--d_model=32', '--n_layers=1', '--n_ctx=16', '--vocab_size=128', 
 
 
 def bench_error(argv):
-    """The one-line message bench.main exits with on bad input."""
-    with pytest.raises(SystemExit) as exc:
+    """The one `error: ` line bench.main prints (after its settings line, if any) on bad input, exit status 2."""
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as exc, contextlib.redirect_stderr(err):
         bench.main(argv)
-    msg = str(exc.value.code)
-    assert msg.startswith('error: ') and '\n' not in msg
-    return msg
+    lines = err.getvalue().strip().splitlines()
+    assert exc.value.code == 2 and lines[-1].startswith('error: ') and sum('error' in l for l in lines) == 1, lines
+    return lines[-1]
 
 
 def test_bench_throughput_rows_and_mfu(tmp_path):
@@ -1864,3 +1868,208 @@ def test_bench_represent_other_objectives():
                                     objective='bidirectional'))
     with pytest.raises(ValueError, match='one token embedding'):
         bench.represent_rows(model, bench_tokens(64, (1, 8)), [1], steps=3, lr=0.05)
+
+
+# =============================================================================
+# Bad input in every script: each flag is checked before any work, each input file against what
+# describes it, each output location before the work that fills it; a refusal is one `error: ` line
+# naming the culprit, exit status 2, and leaves every file that existed byte-identical.
+
+MAINS = {'train': train.main, 'sample': sample.main, 'retrieve': retrieve.main, 'prepare': prepare.main,
+         'bench': bench.main}
+
+
+def tree(folder):
+    """Every file under folder, as {relative path: bytes}."""
+    folder = str(folder)
+    return {os.path.relpath(os.path.join(d, n), folder): open(os.path.join(d, n), 'rb').read()
+            for d, _, names in os.walk(folder) for n in names}
+
+
+def refused(capsys, script, argv, culprit, keep=()):
+    """script's main refuses argv: status 2, one `error: ` line (the last) naming culprit, no traceback,
+    and the files under each folder in keep unchanged."""
+    before = [tree(k) for k in keep]
+    try:
+        code = MAINS[script]([str(a) for a in argv])
+    except SystemExit as e:  # bench.main exits
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if line.startswith('error: ')]
+    assert code == 2 and errors == err[-1:] and culprit in errors[0] and 'Traceback' not in '\n'.join(err), err
+    assert [tree(k) for k in keep] == before
+
+
+def dead_pid():
+    proc = subprocess.Popen([sys.executable, '-c', ''])
+    proc.wait()
+    return proc.pid
+
+
+# 1. nothing that existed is destroyed unless the user said so
+
+@pytest.mark.parametrize('case', ['train', 'retrieve train', 'retrieve indirect', 'retrieve index'])
+def test_a_finished_run_is_never_replaced_unasked(case, trained, corpus, capsys, tmp_path):
+    _, data, mixer, _ = corpus
+    run = tmp_path / 'run'
+    run.mkdir()
+    (run / 'ckpt.pt').write_bytes(b'a long run')
+    (run / 'log.jsonl').write_text('{"step": 1}\n')
+    argv, culprit = {
+        'train': ([f'--data_dir={trained.parent / "data"}', f'--out_dir={trained}', *TINY], '--init_from=resume'),
+        'retrieve train': (['train', f'--init_from={mixer}', f'--data_dir={data}', f'--out_dir={run}'], '--overwrite'),
+        'retrieve indirect': (['indirect', f'--ckpt={mixer}', f'--data_dir={data}', f'--out_dir={tmp_path}',
+                               '--c=4', '--max_iters=1'], '--overwrite'),
+        'retrieve index': (['index', f'--ckpt={mixer}', f'--docs={data / "pairs_val.jsonl"}', f'--index={run}'],
+                           '--overwrite'),
+    }[case]
+    if case == 'retrieve indirect':
+        os.rename(run, tmp_path / 'c4')
+        run = tmp_path / 'c4'
+    if case == 'retrieve index':
+        (run / 'manifest.json').write_text('{}')
+    refused(capsys, case.split()[0], argv, culprit,
+            keep=[trained if case == 'train' else run])
+
+
+def test_overwrite_starts_the_run_afresh(data, tmp_path, capsys):
+    assert train_run(data, tmp_path, '--max_iters=4', '--eval_interval=4') == 0
+    refused(capsys, 'train', [f'--data_dir={data}', f'--out_dir={tmp_path}', *TINY, '--max_iters=2'], '--overwrite',
+            keep=[tmp_path])
+    assert train_run(data, tmp_path, '--max_iters=2', '--eval_interval=2', '--overwrite') == 0
+    assert max(r['step'] for r in records(tmp_path, 'loss')) == 2 and weights(tmp_path, 'best.pt')['step'] == 2
+
+
+# 2. a small corpus prepares into something train.py can use
+
+@pytest.mark.parametrize('n_files', [1, 12])
+def test_small_corpus_gets_a_val_split(n_files, tmp_path, capsys):
+    src = tmp_path / 'src'
+    src.mkdir()
+    for i in range(n_files):
+        (src / f'm{i}.py').write_text(''.join(f"def f{i}_{j}(x):\n    return x + {j}\n\n" for j in range(40)))
+    assert prepare.main(['text', f'--input={src}', f'--out_dir={tmp_path / "data"}', '--vocab_size=300']) == 0
+    meta, docs, _ = read_folder(tmp_path / 'data')
+    assert meta['val_tokens'] > 0 and meta['train_tokens'] > meta['val_tokens']
+    assert train_run(tmp_path / 'data', tmp_path / 'out', '--n_ctx=16', '--max_iters=2', '--eval_interval=2') == 0
+    (src / 'tiny.txt').write_text('x')
+    refused(capsys, 'prepare', ['text', f'--input={src / "tiny.txt"}', f'--out_dir={tmp_path / "data"}'], 'too small',
+            keep=[tmp_path / 'data'])
+
+
+# 3. every flag's value is checked before any work
+
+@pytest.mark.parametrize('script, argv, culprit', [
+    ('train', ['--max_iters=-1'], '--max_iters'),
+    ('train', ['--eval_interval=0'], '--eval_interval'),
+    ('train', ['--log_interval=0'], '--log_interval'),
+    ('train', ['--grad_accum=0'], '--grad_accum'),
+    ('train', ['--eval_iters=0'], '--eval_iters'),
+    ('train', ['--batch_size=0'], '--batch_size'),
+    ('train', ['--lr=nan'], '--lr'),
+    ('train', ['--min_lr=1'], '--min_lr'),
+    ('train', ['--n_ctx=1'], '--n_ctx'),
+    ('sample', ['--temperature=nan'], '--temperature'),
+    ('sample', ['--temperature=1e-45'], '--temperature'),
+    ('sample', ['{n_ctx=1}'], 'n_ctx=1'),
+    ('bench', ['throughput', *BENCH_TINY, '--repeats=0'], '--repeats'),
+    ('bench', ['generate', *BENCH_TINY, '--new_tokens=0'], '--new_tokens'),
+    ('retrieve', ['train', '--init_from=x.pt', '--warmup_iters=-2'], '--warmup_iters'),
+    ('retrieve', ['eval', '--ckpt=x.pt', '--pairs=y.jsonl', '--batch_size=0'], '--batch_size'),
+])
+def test_out_of_range_values_are_refused(script, argv, culprit, data, trained, tmp_path, capsys):
+    if script == 'train':
+        argv = [f'--data_dir={data}', f'--out_dir={tmp_path / "out"}', *TINY, *argv]
+    if script == 'sample':
+        ckpt = make_ckpt(tmp_path / 'n1.pt', trained.parent / 'data', n_ctx=1) if '{n_ctx=1}' in argv else None
+        argv = [f'--ckpt={ckpt}'] if ckpt else [f'--out_dir={trained}', *argv]
+    refused(capsys, script, argv, culprit, keep=[data, trained])
+    assert not (tmp_path / 'out').exists()
+
+
+# 4. every input file is checked against what describes it
+
+@pytest.mark.parametrize('damage, culprit', [
+    ('truncated train.bin', 'train.bin'),
+    ('odd-sized train.bin', 'train.bin'),
+    ('corrupt meta.json', 'meta.json'),
+    ('no val_docs.npy', 'val_docs.npy'),
+])
+def test_data_files_must_agree_with_meta(damage, culprit, data, tmp_path, capsys):
+    copy = tmp_path / 'data'
+    shutil.copytree(data, copy)
+    path = copy / culprit
+    if damage == 'no val_docs.npy':
+        path.unlink()
+    else:
+        raw = path.read_bytes()
+        path.write_bytes({'truncated train.bin': raw[:-64], 'odd-sized train.bin': raw + b'\0',
+                          'corrupt meta.json': raw[:len(raw) // 2]}[damage])
+    refused(capsys, 'train', [f'--data_dir={copy}', f'--out_dir={tmp_path / "out"}', *TINY, '--max_iters=2',
+                              '--batch_mode=documents'], culprit, keep=[copy])
+
+
+# 5. every output location is checked before the work that fills it
+
+@pytest.mark.parametrize('script, argv, culprit', [
+    ('retrieve', ['eval', '--ckpt={tmp}/missing.pt', '--pairs={data}/pairs_val.jsonl', '--json={tmp}/file/m.json'], '--json'),
+    ('retrieve', ['index', '--ckpt={tmp}/missing.pt', '--docs={data}/pairs_val.jsonl', '--index={tmp}/file'], '--index'),
+    ('bench', ['throughput', *BENCH_TINY, '--json={tmp}/file/rows.json'], '--json'),
+    ('bench', ['memory', *BENCH_TINY, '--plot={tmp}'], '--plot'),
+    ('prepare', ['pystdlib', '--out_dir={tmp}/file'], 'out_dir'),
+    ('train', ['--data_dir={data}', '--out_dir={tmp}/file/out', *TINY], 'out_dir'),
+])
+def test_outputs_are_checked_before_the_work(script, argv, culprit, corpus, tmp_path, capsys):
+    (tmp_path / 'file').write_text('in the way')
+    argv = [a.replace('{tmp}', str(tmp_path)).replace('{data}', str(corpus[1])) for a in argv]
+    refused(capsys, script, argv, culprit, keep=[tmp_path, corpus[1]])
+
+
+# 6. messages name the culprit; surprises are announced
+
+@pytest.mark.parametrize('script, argv, culprit', [
+    ('sample', ['--prompt=FILE:{tmp}/latin1.txt'], 'latin1.txt'),
+    ('retrieve', ['eval', '--ckpt={mixer}', '--pairs={tmp}/latin1.jsonl'], 'latin1.jsonl'),
+    ('prepare', ['text', '--input={tmp}/latin1.txt', '--vocab_size=1', '--out_dir={tmp}/d'], '--vocab_size'),
+    ('prepare', ['text', '--input={tmp}/ascii.txt', '--vocab_size=262', '--out_dir={tmp}/d'], '--vocab_size'),
+    ('train', ['--seed=-1'], '--seed'),
+    ('train', ['{tmp}/latin1.txt'], 'latin1.txt'),  # a preset
+])
+def test_messages_name_the_culprit(script, argv, culprit, trained, corpus, tmp_path, capsys):
+    (tmp_path / 'latin1.txt').write_bytes('déjà vu, naïve café\n'.encode('latin-1'))
+    (tmp_path / 'latin1.jsonl').write_bytes('{"query": "café", "target": "naïve"}\n'.encode('latin-1') * 3)
+    (tmp_path / 'ascii.txt').write_text(''.join(chr(c) for c in range(33, 127)) * 20)
+    argv = [a.replace('{tmp}', str(tmp_path)).replace('{mixer}', corpus[2]) for a in argv]
+    argv = [f'--out_dir={trained}', *argv] if script in ('sample', 'train') else argv
+    refused(capsys, script, argv, culprit, keep=[tmp_path, trained])
+
+
+def test_lossy_input_and_a_smaller_vocabulary_are_announced(tmp_path, capsys):
+    (tmp_path / 'src').mkdir()
+    for i in range(3):
+        (tmp_path / 'src' / f'{i}.txt').write_text(f'plain text number {i}, ' * 200)
+    (tmp_path / 'src' / 'latin1.txt').write_bytes('déjà vu, naïve café\n'.encode('latin-1') * 50)
+    assert prepare.main(['text', f'--input={tmp_path / "src"}', '--vocab_size=100000', f'--out_dir={tmp_path / "d"}']) == 0
+    warnings = [l for l in capsys.readouterr().err.splitlines() if l.startswith('warning: ')]
+    assert len(warnings) == 2 and 'latin1.txt' in warnings[0] and '--vocab_size=100000' in warnings[1], warnings
+
+
+# 7. leftovers of a killed or failed run are cleaned up, and outputs are never read back as input
+
+def test_leftovers_are_cleaned_up(data, tmp_path, capsys):
+    out = tmp_path / 'out'
+    out.mkdir()
+    (out / f'best.pt.tmp{dead_pid()}').write_bytes(b'half a checkpoint')   # kill -9 during a save
+    assert train_run(data, out, '--max_iters=2', '--eval_interval=2') == 0
+    assert sorted(os.listdir(out)) == ['best.pt', 'ckpt.pt', 'log.jsonl']
+    (tmp_path / 'garbage.model').write_bytes(b'not a tokenizer')
+    refused(capsys, 'prepare', ['text', f'--input={data}/../corpus.txt', f'--tokenizer={tmp_path / "garbage.model"}',
+                                f'--out_dir={tmp_path / "d"}'], 'garbage.model', keep=[os.path.dirname(data)])
+    assert not [n for n in os.listdir(tmp_path / 'd') if '.tmp' in n]
+    src = tmp_path / 'src'
+    src.mkdir()
+    for i in range(20):
+        (src / f'{i}.py').write_text(f"def f{i}(x):\n    return x + {i}\n" * 20)
+    args = ['text', f'--input={src}', f'--out_dir={src / "data"}', '--vocab_size=300']
+    assert prepare.main(args) == 0
+    assert prepare.main(args) == 0 and 'up to date' in capsys.readouterr().out   # its outputs are not new input

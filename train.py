@@ -32,7 +32,8 @@ or cosine) to min_lr as the budget is used up; with max_time the budget fraction
 time, so time-budgeted runs are fair but not bit-reproducible (step budgets are).
 
 Files in out_dir: ckpt.pt (last), best.pt (lowest val loss), log.jsonl (one JSON object per
-log line and per evaluation; a resumed run first drops records past its checkpoint's step).
+log line and per evaluation; a resumed run first drops records past its checkpoint's step). A
+scratch run refuses an out_dir that holds a run: resume it, pass --overwrite, or use a new out_dir.
 
 Reusable API (retrieve.py imports these names; they are stable)
   DEFAULTS / LOOP_DEFAULTS       every train.py key / the keys that `fit` and `setup_runtime` read
@@ -99,6 +100,7 @@ LOOP_DEFAULTS = dict(
     device='auto',          # auto = cuda if available, else cpu
     compile=False,
     seed=1337,
+    overwrite=False,        # a scratch run may replace the run already in out_dir (else it is an error)
 )
 DEFAULTS = dict(
     data_dir='data/pystdlib',
@@ -111,6 +113,9 @@ DEFAULTS = dict(
 CHOICES = dict(batch_mode=('packed', 'documents'), padding=('right', 'left'), schedule=('linear', 'cosine'),
                dtype=('auto', 'bfloat16', 'float16', 'float32'), init_from=('scratch', 'resume'))
 MODEL_KEYS = [f.name for f in fields(ModelConfig) if f.name != 'vocab_size']
+# the smallest value of each numeric key that has one (keys a script lacks are skipped); lr must be > 0
+LOWEST = dict(batch_size=1, grad_accum=1, warmup_iters=0, max_iters=0, max_time=0.0, eval_interval=1, eval_iters=1,
+              log_interval=1, min_lr=0.0, weight_decay=0.0, grad_clip=0.0, seed=0, n_ctx=2, n_layers=1, d_model=1)
 SPLITS = ('train', 'val')
 
 
@@ -142,6 +147,11 @@ def parse_args(argv, defaults, choices=None, doc=None):
     for key, allowed in (choices or {}).items():
         if cfg[key] not in allowed:
             raise ValueError(f"{key}={cfg[key]!r} is invalid: use one of {', '.join(allowed)}")
+    for key, low in LOWEST.items():
+        if key in cfg and not low <= cfg[key] < 2 ** 63:
+            raise ValueError(f"--{key}={cfg[key]!r} is out of range: use a value >= {low}" + " (and < 2**63)" * (cfg[key] > 0))
+    if 'lr' in cfg and not 0 < cfg['lr'] >= cfg.get('min_lr', 0):
+        raise ValueError(f"--lr={cfg['lr']!r} must be > 0 and >= --min_lr={cfg.get('min_lr')!r}")
     return cfg
 
 
@@ -150,7 +160,7 @@ def read_preset(path, cfg):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no preset file {path}: see config/ for the presets")
     try:
-        tree = ast.parse(Path(path).read_text(), path)
+        tree = ast.parse(read_text_file(path, 'preset'), path)
     except SyntaxError as e:
         raise ValueError(f"{path}:{e.lineno}: {e.msg}") from None
     scope, out = dict(cfg), {}
@@ -182,6 +192,8 @@ def typed(key, value, defaults, source):
             raise ValueError(f"--{key}={value!r} is not a valid {kind.__name__} (default {defaults[key]!r})") from None
     if kind is float and type(value) is int:
         value = float(value)
+    if kind is float and type(value) is float and not math.isfinite(value):
+        raise ValueError(f"--{key}={value!r} in {source} is not a finite number")
     if type(value) is not kind:
         raise ValueError(f"{key}={value!r} in {source} should be a {kind.__name__} like {defaults[key]!r}")
     return value
@@ -413,15 +425,66 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state['cuda'])
 
 
-def check_out_dir(out_dir):
-    """Fail before training, not at the first checkpoint, if out_dir cannot be written."""
+def check_out_dir(out_dir, fresh=False, overwrite=False, flag='out_dir', resumable=True):
+    """Fail before any work if out_dir cannot be written, or if a fresh (not resumed) run would
+    replace the run it holds and the user did not say --overwrite."""
+    held = [f for f in ('ckpt.pt', 'best.pt', 'log.jsonl') if os.path.isfile(os.path.join(out_dir, f))]
+    if fresh and held and not overwrite:
+        resume = "continue it with --init_from=resume, " if resumable else ""
+        raise ValueError(f"out_dir {out_dir} already holds a run ({', '.join(held)}): {resume}replace it with "
+                         f"--overwrite, or pass a new --out_dir")
     try:
         os.makedirs(out_dir, exist_ok=True)
         probe = os.path.join(out_dir, f'.write_test{os.getpid()}')
         open(probe, 'w').close()
         os.remove(probe)
     except OSError as e:
-        raise ValueError(f"cannot write to out_dir {out_dir} ({e.strerror or e}): pass a writable --out_dir") from None
+        raise ValueError(f"cannot write to {flag} {out_dir} ({e.strerror or e}): pass a writable --{flag}") from None
+
+
+def check_output_file(path, flag):
+    """Fail before the work that fills an output file, not after it, if it cannot be written there."""
+    if os.path.isdir(path):
+        raise ValueError(f"--{flag}={path} is a folder: name a file")
+    probe = f"{path}.tmp{os.getpid()}"
+    try:
+        open(probe, 'w').close()
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"cannot write --{flag}={path} ({e.strerror or e}): name a file in a writable folder") from None
+
+
+def read_text_file(path, what):
+    """A UTF-8 text file's contents; a missing or non-UTF-8 file is a one-line error naming it."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{what} {path} not found")
+    data = Path(path).read_bytes()
+    try:
+        return data.decode('utf-8')
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {path} is not UTF-8 text (byte {e.start} is {data[e.start]:#04x}): save it as "
+                         f"UTF-8, e.g. iconv -f latin1 -t utf-8") from None
+
+
+def remove_leftovers(out_dir, fresh):
+    """Delete the temp files of a killed run (NAME.tmpPID whose process is gone) and, for a fresh
+    run (which the user allowed with --overwrite), the previous run's checkpoints and log."""
+    for name in os.listdir(out_dir):
+        _, tmp, pid = name.rpartition('.tmp')
+        if tmp and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            os.remove(os.path.join(out_dir, name))
+        elif fresh and name in ('ckpt.pt', 'best.pt', 'log.jsonl'):
+            os.remove(os.path.join(out_dir, name))
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, but not ours
+        pass
+    return True
 
 
 def trim_log(path, step):
@@ -444,7 +507,9 @@ def trim_log(path, step):
 
 def fit(cfg, rt, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_token=None):
     """Train `model` until the budget is spent; evaluate and checkpoint every eval_interval."""
-    check_out_dir(cfg['out_dir'])
+    check_out_dir(cfg['out_dir'], resume is None, cfg.get('overwrite', False))
+    if rt.master:
+        remove_leftovers(cfg['out_dir'], resume is None)
     ckpt_path, log_path = (os.path.join(cfg['out_dir'], f) for f in ('ckpt.pt', 'log.jsonl'))
     raw = model.to(rt.device)
     optimizer = configure_optimizer(raw, cfg['lr'], cfg['weight_decay'], rt.device.type)
@@ -469,7 +534,8 @@ def fit(cfg, rt, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_t
     saved = start if resume is not None else None  # step of the checkpoint on disk
 
     def record(**rec):
-        if rt.master:
+        if rt.master:  # non-finite numbers as null: NaN is not JSON
+            rec = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in rec.items()}
             log.write(json.dumps(dict(step=st['step'], **rec)) + '\n')
             log.flush()
 
@@ -598,7 +664,14 @@ def load_meta(data_dir):
     path = os.path.join(data_dir, 'meta.json')
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no prepared data at {data_dir}: run python prepare.py (or pass --data_dir)")
-    return json.loads(Path(path).read_text())
+    try:
+        meta = json.loads(Path(path).read_text())
+        np.dtype(meta['dtype'])
+        if not (isinstance(meta['vocab_size'], int) and meta['vocab_size'] > 0):
+            raise ValueError('vocab_size')
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is damaged ({type(e).__name__}: {e}): prepare the data again with prepare.py") from None
+    return meta
 
 
 class Batches:
@@ -615,12 +688,21 @@ class Batches:
             path = os.path.join(data_dir, f'{split}.bin')
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"no prepared data at {path}: run python prepare.py (or pass --data_dir)")
-            tokens = np.memmap(path, dtype=meta.get('dtype', 'uint16'), mode='r')
-            if len(tokens) < self.n + 2:
-                raise ValueError(f"{path} holds {len(tokens)} tokens, too few for n_ctx={self.n}: lower --n_ctx")
+            size, itemsize = os.path.getsize(path), np.dtype(meta['dtype']).itemsize
+            if size != meta.get(f'{split}_tokens', size // itemsize) * itemsize or size % itemsize:
+                raise ValueError(f"{path} has {size} bytes but {data_dir}/meta.json says {meta.get(f'{split}_tokens')} "
+                                 f"{meta['dtype']} tokens: the file is cut short or replaced; prepare the data again")
+            if size < (self.n + 2) * itemsize:
+                raise ValueError(f"{path} holds {size // itemsize} tokens, too few for n_ctx={self.n}: lower --n_ctx "
+                                 f"or prepare more text")
+            tokens = np.memmap(path, dtype=meta['dtype'], mode='r')
             self.tokens[split] = tokens
             if cfg['batch_mode'] == 'documents':  # rows are n_ctx-token chunks of documents
-                starts = np.load(os.path.join(data_dir, f'{split}_docs.npy')).astype(np.int64)
+                try:
+                    starts = np.load(os.path.join(data_dir, f'{split}_docs.npy')).astype(np.int64)
+                except (OSError, ValueError) as e:
+                    raise ValueError(f"{data_dir}/{split}_docs.npy is missing or damaged ({getattr(e, 'strerror', None) or e}): "
+                                     f"prepare the data again") from None
                 lengths = np.diff(np.append(starts, len(tokens)))
                 chunks = (lengths + self.n - 2) // self.n  # ceil((length - 1) / n_ctx): inputs need a next token
                 if not chunks.sum():
@@ -676,6 +758,7 @@ def main(argv=None):
             check_resumable(resume, path, mcfg)
         get_batch = Batches(cfg, meta, cfg['data_dir'])
         rt = setup_runtime(cfg)
+        check_out_dir(cfg['out_dir'], resume is None, cfg['overwrite'])
         model = build_model(mcfg)
         if rt.master:
             print(f"{mcfg.arch} {mcfg.objective}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
@@ -689,6 +772,9 @@ def main(argv=None):
         return 2
     except SystemExit as e:  # --help
         return e.code
+    except KeyboardInterrupt:  # checkpoints are written atomically: the last one is whole
+        print("interrupted: continue from the last checkpoint with --init_from=resume", file=sys.stderr)
+        return 130
     finally:
         if rt is not None:
             rt.close()
