@@ -143,6 +143,12 @@ class Mixing(nn.Module):
         b = torch.empty(n_convs, heads, n_out, 1).uniform_(-bound, bound)
         self.bias = nn.Parameter(b if bias_value is None else torch.full_like(b, bias_value))
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        bias = state_dict.get(prefix + 'bias')
+        if bias is not None and bias.dim() == 3:  # a checkpoint from before per-mixing biases (one mixing)
+            state_dict[prefix + 'bias'] = bias[None]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def matrix(self, row0, rows, cols):
         """Masked weights (n_convs, heads, kernel, rows, cols) for outputs [row0, row0+rows), inputs [0, cols)."""
         w = self.weight[..., row0:row0 + rows, :cols]               # (P, H, k, R, C)

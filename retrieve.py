@@ -375,8 +375,6 @@ def cap_ns(ns, n_pairs):
     """Requested n (or c) values, each at most n_pairs + 1: the query and all n_pairs targets
     (with a note when capped)."""
     top = n_pairs + 1
-    if min(ns) < 3:
-        raise ValueError(f"n={min(ns)}: n counts the query, its target and n-2 non-matching targets, so n >= 3")
     capped = sorted({min(n, top) for n in ns})
     if any(n > top for n in ns):
         print(f"note: only {n_pairs} pairs, so n is capped at {top} (the query and every target; "
@@ -395,8 +393,9 @@ def print_metrics(m):
 
 def cmd_eval(args):
     queries, targets = read_pairs(args.pairs)
+    ns = int_list(args.n, 'n')
     embedder = Embedder(args.ckpt, args.device, args.dtype, args.batch_size, args.embed_pos)
-    ns = cap_ns(int_list(args.n, 'n'), len(queries))
+    ns = cap_ns(ns, len(queries))
     t0 = time.perf_counter()
     q, t = embedder(queries), embedder(targets)
     t1 = time.perf_counter()
@@ -625,13 +624,14 @@ class Parser(argparse.ArgumentParser):
 
 
 def int_list(text, name='n'):
-    """'32,64,128' -> [32, 64, 128]."""
+    """'32,64,128' -> [32, 64, 128]. n and c count the query, its target and n-2 others: n >= 3."""
     try:
         values = [int(v) for v in str(text).split(',') if v.strip()]
     except ValueError:
         raise ValueError(f"--{name}={text!r}: give comma-separated integers like 32,64,128") from None
-    if not values or min(values) < 2:
-        raise ValueError(f"--{name}={text!r}: give comma-separated integers >= 2 like 32,64,128")
+    if not values or min(values) < 3:
+        raise ValueError(f"--{name}={text!r}: give comma-separated integers >= 3 like 32,64,128 "
+                         f"({name} counts the query, its target and {name}-2 non-matching targets)")
     return values
 
 
@@ -648,7 +648,7 @@ def embedding_parser(cmd, doc):
 
 
 def parse_eval(argv):
-    p = embedding_parser('eval', "Top-1 retrieval accuracy for n candidates (paper Tables 1/3/4), MRR@10, recall@k.")
+    p = embedding_parser('eval', "Top-1 retrieval accuracy for Table 1's n (n-1 candidates per query; paper Tables 1/3/4), MRR@10, recall@k.")
     p.add_argument('--ckpt', required=True, help="an 'lm' or 'retrieval' checkpoint")
     p.add_argument('--pairs', required=True, help='a pairs JSONL file ({"query": ..., "target": ...} per line)')
     p.add_argument('--n', default=','.join(map(str, DEFAULT_NS)),
