@@ -641,6 +641,15 @@ class BidirectionalLM(nn.Module):
         if cfg.tie_weights:
             self.lm_head.weight = self.wte.weight
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Weights saved with a feed-forward per stream must not load into shared ones (one would win)."""
+        fwd = dict(self.fwd.named_parameters())
+        for name, p in self.rev.named_parameters(remove_duplicate=False):
+            a, b = state_dict.get(f'{prefix}fwd.{name}'), state_dict.get(f'{prefix}rev.{name}')
+            if p is fwd.get(name) and a is not None and b is not None and not torch.equal(a, b):
+                raise ValueError("these weights have a feed-forward per stream: build the model with share_ffn=False")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def hidden(self, idx, mask=None):
         check_tokens(idx, self.cfg)
         x, ctx = self.wte(idx), Ctx(mask=mask)

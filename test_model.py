@@ -336,7 +336,10 @@ def test_bidirectional_streams_share_feedforwards_by_default(arch):
     ffn = sum(p.numel() for b in apart.fwd.blocks for p in [*b.layers[-1].parameters(), *b.norms[-1].parameters()])
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731 (parameters() counts a shared one once)
     assert count(apart) - count(shared) == ffn
-    assert set(shared.state_dict()) == set(apart.state_dict())   # same keys: checkpoints load either way
+    assert set(shared.state_dict()) == set(apart.state_dict())   # same keys, so loading checks the values:
+    with pytest.raises(ValueError, match='share_ffn=False'):       # separate feed-forwards never load as shared
+        shared.load_state_dict(apart.state_dict())
+    apart.load_state_dict(shared.state_dict())                      # shared ones load as two equal copies
     x = torch.randint(0, V, (2, N))
     shared(x, x)[1].backward()
     assert all(p.grad is not None for p in shared.parameters())
