@@ -5,7 +5,8 @@ bench.py: the paper's measurements, re-run on your own hardware in one command.
 
 MODE is one of
   throughput  full training steps (forward, backward, AdamW): ms/step, tokens/s and MFU
-  memory      peak memory of one forward + backward, batch 1, no lm head (paper Tables S9/S10)
+  memory      peak memory of one forward + backward, no lm head (paper Tables S9/S10: --batch_size=16
+              --n_heads=32 are its settings; the defaults, batch 1 and 4 heads, fit a small CPU)
   generate    decoding tokens/s: the paper's fixed-window generation vs cached decoding
   represent   input recovery from a layer's activations by gradient descent (paper §3.1-3.3)
   all         every mode at its default sizes, printed as markdown tables
@@ -61,6 +62,8 @@ def parse_args(argv):
     p.add_argument('--n_layers', help="comma list")
     p.add_argument('--n_ctx', help="comma list")
     p.add_argument('--batch_size', type=int)
+    p.add_argument('--n_heads', type=int, default=0,
+                   help="attention heads of llama/gpt/hybrid/elita (default 0: ModelConfig's, 4); mixers keep one")
     p.add_argument('--vocab_size', type=int, default=4096, help="the paper's TinyStories tokenizer size")
     p.add_argument('--full', action='store_true', help="the paper's sizes (slow on a CPU)")
     p.add_argument('--device', default='auto', help="auto (cuda if present), cpu or cuda[:i]")
@@ -130,9 +133,14 @@ def grid(s):
             for n_ctx in s.n_ctx:
                 try:
                     yield ModelConfig(arch=arch, vocab_size=s.vocab_size, n_ctx=n_ctx, d_model=s.d_model,
-                                      n_layers=n_layers)
+                                      n_layers=n_layers, n_heads=attention_heads(s, arch))
                 except ValueError as e:
                     fail(str(e))
+
+
+def attention_heads(s, arch):
+    """--n_heads is the attention head count; a mixer's n_heads means mixing heads, left at one."""
+    return 0 if arch in ('mixer', 'gmlp') else s.n_heads
 
 
 def autocast(s):
@@ -223,7 +231,7 @@ def memory_cell(args):
     try:
         if args.arch != 'none':
             cfg = ModelConfig(arch=args.arch, vocab_size=s.vocab_size, n_ctx=s.n_ctx[0], d_model=s.d_model,
-                              n_layers=s.n_layers[0])
+                              n_layers=s.n_layers[0], n_heads=attention_heads(s, args.arch))
             backbone = Backbone(cfg).to(s.dev)
             idx = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx), device=s.dev)
             with autocast(s):
@@ -241,7 +249,7 @@ def memory_cell(args):
 def run_cell(s, arch, n_layers, n_ctx):
     """Peak bytes of one memory cell run in a fresh interpreter, or None if it ran out of memory."""
     cmd = [sys.executable, os.path.abspath(__file__), 'memory_cell', f'--arch={arch}', f'--n_layers={n_layers}',
-           f'--n_ctx={n_ctx}', f'--d_model={s.d_model}', f'--batch_size={s.batch_size}',
+           f'--n_ctx={n_ctx}', f'--d_model={s.d_model}', f'--batch_size={s.batch_size}', f'--n_heads={s.n_heads}',
            f'--vocab_size={s.vocab_size}', f'--device={s.device}', f'--dtype={s.dtype}',
            f'--mem_limit={s.mem_limit}']
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -260,7 +268,8 @@ def bench_memory(s):
         peak = run_cell(s, cfg.arch, cfg.n_layers, cfg.n_ctx)
         mb = None if peak is None else (peak - base) / 2**20
         rows.append(dict(mode='memory', arch=cfg.arch, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                         n_ctx=cfg.n_ctx, batch_size=s.batch_size, dtype=s.dtype, device=s.device, mb=mb))
+                         n_ctx=cfg.n_ctx, n_heads=cfg.n_heads, batch_size=s.batch_size, dtype=s.dtype,
+                         device=s.device, mb=mb))
         print(f"  {cfg.arch} n_layers={cfg.n_layers} n_ctx={cfg.n_ctx}: "
               + ('OOM' if mb is None else f"{mb:.0f} MB"), flush=True)
     return rows
@@ -460,8 +469,8 @@ def memory_tables(rows):
         ctxs = list(dict.fromkeys(r['n_ctx'] for r in mine))
         table = [{'': f"n_layers={n}", **{f"n_ctx={r['n_ctx']}": r['mb'] for r in mine if r['n_layers'] == n}}
                  for n in dict.fromkeys(r['n_layers'] for r in mine)]
-        head = f"{arch}, d_model={mine[0]['d_model']}, batch {mine[0]['batch_size']}, {mine[0]['dtype']}, " \
-               f"{mine[0]['device']} (MB)"
+        r = mine[0]
+        head = f"{arch}, d_model={r['d_model']}, {r['n_heads']} head(s), batch {r['batch_size']}, {r['dtype']}, {r['device']} (MB)"
         out.append(head + '\n\n' + markdown(table, [''] + [f"n_ctx={c}" for c in ctxs]))
     return '\n\n'.join(out)
 

@@ -27,6 +27,8 @@ from einops import rearrange
 
 ARCHS = ('mixer', 'llama', 'gpt', 'hybrid', 'gmlp', 'elita')
 OBJECTIVES = ('clm', 'autoencoder', 'bidirectional', 'mtp2', 'half')
+POS_CHANNELS = ('none', 'input', 'every')
+HYBRID_ORDERS = ('attn_mix', 'mix_attn', 'parallel')
 ELITA_CHUNK = 64  # positions per block of ELiTA's parallel scan
 
 
@@ -40,9 +42,12 @@ class ModelConfig:
     n_heads: int = 0           # 0 = the arch's default: 4 attention heads (paper's optimum), 1 mixer head
     kernel: int = 1            # mixer Conv1d kernel, sliding along d_model (paper 9.2)
     expansion: float = 0.0     # 0 = flat mixer; e > 0 = original n -> e*n -> n mixing with GELU
-    n_convs: int = 1           # parallel masked mixings, summed
+    n_convs: int = 1           # p > 1: p parallel masked mixings, each with its own bias and GELU, summed
     softmax: bool = False      # row softmax over the allowed positions of each mixing
     pos_emb: bool = False      # learned absolute positions (mixer ablation; GPT always has them)
+    pos_channel: str = 'none'  # none | input | every: the blog's ablation, centred position in the last channel
+    hybrid_order: str = 'attn_mix'  # hybrid: attn_mix (attention, then mixing) | mix_attn | parallel
+    share_ffn: bool = True     # bidirectional: both streams share each block's feed-forward (the author's code)
     causal: bool = True        # False = unmasked, bidirectional mixing/attention
     tie_weights: bool = False  # lm_head shares the token embedding
     objective: str = 'clm'     # clm | autoencoder | bidirectional | mtp2 | half
@@ -54,6 +59,12 @@ class ModelConfig:
             bad('arch', f"use one of {', '.join(ARCHS)}")
         if self.objective not in OBJECTIVES:
             bad('objective', f"use one of {', '.join(OBJECTIVES)}")
+        if self.pos_channel not in POS_CHANNELS:
+            bad('pos_channel', f"use one of {', '.join(POS_CHANNELS)}")
+        if self.hybrid_order not in HYBRID_ORDERS or (self.hybrid_order != 'attn_mix' and self.arch != 'hybrid'):
+            bad('hybrid_order', f"use one of {', '.join(HYBRID_ORDERS)}, and only with arch hybrid")
+        if not isinstance(self.share_ffn, bool) or (not self.share_ffn and self.objective != 'bidirectional'):
+            bad('share_ffn', "is True or False, and only the bidirectional objective has two streams to share")
         for name in ('vocab_size', 'n_ctx', 'd_model', 'n_layers', 'kernel', 'n_convs'):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(name, "must be a positive integer")
@@ -113,6 +124,8 @@ class Mixing(nn.Module):
 
     The weight has shape (n_convs, heads, kernel, n_out, n_in): kernel > 1 is the paper's Conv1d
     with positions as channels and the kernel sliding along the features ('same' padding).
+    n_convs = p > 1 is the blog's parallel mixer, sum_i GELU(M_i x + b_i) as in the author's code:
+    the GELU per branch is what makes it more than one flat mixing with summed weights.
     The mask is applied functionally in forward, never by overwriting .data, so masked entries
     get exactly zero gradient and the optimizer never holds a stale copy.
     Works on x holding input positions [pos, pos + T) of the window; with ctx.cache it appends
@@ -127,11 +140,17 @@ class Mixing(nn.Module):
         bound = 1 / math.sqrt(n_in * kernel)  # nn.Conv1d's default init, as the paper used
         w = torch.empty(n_convs, heads, kernel, n_out, n_in).uniform_(-1, 1)
         self.weight = nn.Parameter(w * (bound if weight_bound is None else weight_bound))
-        b = torch.empty(heads, n_out, 1).uniform_(-bound, bound)
+        b = torch.empty(n_convs, heads, n_out, 1).uniform_(-bound, bound)
         self.bias = nn.Parameter(b if bias_value is None else torch.full_like(b, bias_value))
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        bias = state_dict.get(prefix + 'bias')
+        if bias is not None and bias.dim() == 3:  # a checkpoint from before per-mixing biases (one mixing)
+            state_dict[prefix + 'bias'] = bias[None]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def matrix(self, row0, rows, cols):
-        """Masked weights (heads, kernel, rows, cols) for outputs [row0, row0+rows), inputs [0, cols)."""
+        """Masked weights (n_convs, heads, kernel, rows, cols) for outputs [row0, row0+rows), inputs [0, cols)."""
         w = self.weight[..., row0:row0 + rows, :cols]               # (P, H, k, R, C)
         if self.softmax:  # mask with -inf *before* the softmax, so the future gets no weight
             keep = allowed_positions(self.direction, rows, cols, row0, w.device)
@@ -142,7 +161,15 @@ class Mixing(nn.Module):
             m = w.triu(row0 + 2)   # bidirectional LM's reverse stream: inputs s >= t + 2
         else:
             m = w
-        return m[0] if len(m) == 1 else m.sum(0)                    # parallel mixings add up
+        return m
+
+    def unused(self, rows_read=None):
+        """How many weights and biases no output can depend on: masked entries, and the rows from
+        rows_read on when a following mixing never reads them (an expanded mixer's hidden rows)."""
+        rows = self.n_out if rows_read is None else rows_read
+        kept = int(allowed_positions(self.direction, rows, self.n_in, 0, 'cpu').sum())
+        per_matrix = self.weight[..., 0, 0].numel()                 # n_convs x heads x kernel
+        return self.weight.numel() + self.bias.numel() - per_matrix * kept - self.bias[..., 0, 0].numel() * rows
 
     def forward(self, x, ctx, t_new):
         """x (B, H, T_in, c): inputs at positions [pos, pos + T_in); returns the outputs at window
@@ -160,14 +187,17 @@ class Mixing(nn.Module):
         cols, rows = x.shape[2], max(0, min(self.n_out, p0 + t_new) - p0)
         if rows == 0:  # an e < 1 expanded mixing has no hidden rows past e * n_ctx
             return x.new_zeros(x.shape[0], self.heads, 0, self.channels)
-        m = self.matrix(p0, rows, cols)                             # (H, k, R, C)
-        if self.kernel == 1:
-            y = torch.matmul(m[:, 0], x)                            # (B, H, R, c)
-        else:  # grouped Conv1d: positions are channels, the kernel slides along c
+        if self.kernel > 1:  # grouped Conv1d: positions are channels, the kernel slides along c
             x = F.pad(rearrange(x, 'b h s c -> b (h s) c'), ((self.kernel - 1) // 2, self.kernel // 2))
-            y = F.conv1d(x, rearrange(m, 'h k r s -> (h r) s k'), groups=self.heads)  # 'same' size
-            y = rearrange(y, 'b (h r) c -> b h r c', h=self.heads)
-        return y + self.bias[:, p0:p0 + rows]
+        ys = []
+        for m, b in zip(self.matrix(p0, rows, cols), self.bias):   # (H, k, R, C), (H, n_out, 1)
+            if self.kernel == 1:
+                y = torch.matmul(m[:, 0], x)                        # (B, H, R, c)
+            else:
+                y = F.conv1d(x, rearrange(m, 'h k r s -> (h r) s k'), groups=self.heads)  # 'same' size
+                y = rearrange(y, 'b (h r) c -> b h r c', h=self.heads)
+            ys.append(y + b[:, p0:p0 + rows])
+        return ys[0] if len(ys) == 1 else sum(F.gelu(y) for y in ys)  # flat: no nonlinearity
 
 
 class TokenMixing(nn.Module):
@@ -328,14 +358,15 @@ class Attention2(nn.Module):
 # ----------------------------------------------------------------------------- feed-forwards
 
 class MLP(nn.Module):
-    """Position-wise d -> hidden -> d with GELU (the mixer's and GPT's feed-forward)."""
+    """Position-wise d -> hidden -> d with GELU (the mixer's feed-forward; GPT-1's uses GELU's tanh form)."""
 
-    def __init__(self, d, hidden):
+    def __init__(self, d, hidden, approximate='none'):
         super().__init__()
         self.fc, self.out = nn.Linear(d, hidden), nn.Linear(hidden, d)
+        self.approximate = approximate
 
     def forward(self, x, ctx=None):
-        return self.out(F.gelu(self.fc(x)))
+        return self.out(F.gelu(self.fc(x), approximate=self.approximate))
 
 
 class SwiGLU(nn.Module):
@@ -395,10 +426,12 @@ class Block(nn.Module):
             layers = [TokenMixing(cfg, direction), MLP(d, 4 * d)]
         elif arch == 'llama':
             layers = [Attention(cfg, direction), SwiGLU(d, 4 * d)]
-        elif arch == 'hybrid':  # the seed's best ordering: masked mixing right after attention
-            layers = [Attention(cfg, direction), TokenMixing(cfg, direction), SwiGLU(d, 4 * d)]
+        elif arch == 'hybrid':  # the blog's orderings; attn_mix (mixing right after attention) its best
+            attn, mix = Attention(cfg, direction), TokenMixing(cfg, direction)
+            mixers = {'attn_mix': [attn, mix], 'mix_attn': [mix, attn], 'parallel': [Parallel([attn, mix])]}
+            layers = mixers[cfg.hybrid_order] + [SwiGLU(d, 4 * d)]
         elif arch == 'gpt':
-            layers = [Attention(cfg, direction), MLP(d, 4 * d)]
+            layers = [Attention(cfg, direction), MLP(d, 4 * d, approximate='tanh')]
         elif arch == 'gmlp':
             layers = [GatedMLP(cfg, direction)]
         else:
@@ -412,6 +445,13 @@ class Block(nn.Module):
         for norm, layer in zip(self.norms, self.layers):
             x = norm(x + layer(x, ctx)) if self.post_norm else x + layer(norm(x), ctx)
         return x
+
+
+class Parallel(nn.ModuleList):
+    """Sublayers side by side on one normed input, outputs added (the parallel hybrid)."""
+
+    def forward(self, x, ctx):
+        return sum(layer(x, ctx) for layer in self)
 
 
 class Backbone(nn.Module):
@@ -436,13 +476,22 @@ class Backbone(nn.Module):
             raise ValueError(f"sequence of {x.shape[1]} positions exceeds n_ctx={self.cfg.n_ctx}")
         if self.wpe is not None:
             x = x + self.wpe.weight[ctx.pos:ctx.pos + x.shape[1]]
+        pos = torch.arange(ctx.pos, ctx.pos + x.shape[1], device=x.device)
+        if self.cfg.pos_channel != 'none':
+            x = self.with_position(x, pos)
         split = self.cfg.n_layers // 2 if self.cfg.objective == 'half' else -1
         for i, block in enumerate(self.blocks):
             if i == split:  # half-sequence prediction: the second half only sees the first half
-                keep = torch.arange(ctx.pos, ctx.pos + x.shape[1], device=x.device) < self.cfg.n_ctx // 2
-                x = x * keep[None, :, None]
+                x = x * (pos < half_split(ctx.pos + x.shape[1]))[None, :, None]
             x = block(x, ctx)
+            if self.cfg.pos_channel == 'every':
+                x = self.with_position(x, pos)
         return self.norm(x)
+
+    def with_position(self, x, pos):
+        """The blog's positional channel: the last of d_model channels holds the centred position."""
+        centred = (pos - self.cfg.n_ctx // 2).to(x.dtype)[None, :, None].expand(x.shape[0], -1, 1)
+        return torch.cat((x[..., :-1], centred), dim=-1)
 
 
 def check_tokens(idx, cfg, pos=0):
@@ -455,6 +504,12 @@ def check_tokens(idx, cfg, pos=0):
     if checked and idx.numel() and (idx.min() < 0 or idx.max() >= cfg.vocab_size):
         raise ValueError(f"token ids must lie in [0, vocab_size={cfg.vocab_size}), got "
                          f"[{int(idx.min())}, {int(idx.max())}]")
+
+
+def half_split(length):
+    """Objective half: the first predicted position of a length-T input. The backbone blanks the
+    hidden states from here on and objective_targets trains only from here, so both agree at any T."""
+    return length // 2
 
 
 def lm_loss(logits, targets):
@@ -569,7 +624,8 @@ class BidirectionalLM(nn.Module):
     """Paper §5.1, fig S11: a forward stream (tril) and a reverse stream (triu, offset 2) that
     are added once, before the lm head, so logits[t] predicts token t+1 from tokens <= t and
     >= t+2 and every token is trained in one pass. Mixing the streams more than once would
-    let token t+1 flow back into its own prediction."""
+    let token t+1 flow back into its own prediction. share_ffn (default, as the author's code) gives
+    both streams each block's feed-forward and its norm; each stream keeps its own mixing."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -577,10 +633,22 @@ class BidirectionalLM(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.fwd = Backbone(cfg, 'causal', embed=False)
         self.rev = Backbone(cfg, 'reverse', embed=False)
+        if cfg.share_ffn:  # the author's code: one feed-forward (and its norm) per block serves both streams
+            for f, r in zip(self.fwd.blocks, self.rev.blocks):
+                r.layers[-1], r.norms[-1] = f.layers[-1], f.norms[-1]
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         init_weights(self, cfg)
         if cfg.tie_weights:
             self.lm_head.weight = self.wte.weight
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Weights saved with a feed-forward per stream must not load into shared ones (one would win)."""
+        fwd = dict(self.fwd.named_parameters())
+        for name, p in self.rev.named_parameters(remove_duplicate=False):
+            a, b = state_dict.get(f'{prefix}fwd.{name}'), state_dict.get(f'{prefix}rev.{name}')
+            if p is fwd.get(name) and a is not None and b is not None and not torch.equal(a, b):
+                raise ValueError("these weights have a feed-forward per stream: build the model with share_ffn=False")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def hidden(self, idx, mask=None):
         check_tokens(idx, self.cfg)
@@ -651,7 +719,7 @@ def objective_targets(objective, x, y, mask=None):
     t = x if mask is None else x.masked_fill(~mask, -1)      # autoencoder: every input token
     if objective == 'half':                                   # predict the second half from the first
         t = t.clone()
-        t[:, :x.shape[1] // 2] = -1
+        t[:, :half_split(x.shape[1])] = -1
     return t
 
 
@@ -659,7 +727,8 @@ def objective_targets(objective, x, y, mask=None):
 
 def param_counts(model):
     """Parameters split as the paper does: token mixing (mixings, attention), feed-forward,
-    embedding (token/position tables and lm head) and other (norms, heads)."""
+    embedding (token/position tables and lm head) and other (norms, heads). mixing_effective is
+    mixing without the masked-mixing entries no output depends on (about half of a causal n x n)."""
     groups = {'mixing': (TokenMixing, Mixing, Attention, Attention2),
               'feedforward': (MLP, SwiGLU, FeedForward2, GatedMLP)}
     counts, seen = dict(mixing=0, feedforward=0, embedding=0, other=0), set()
@@ -679,6 +748,9 @@ def param_counts(model):
             add('embedding', mod.parameters())
     add('other', model.parameters())
     counts['total'] = sum(counts.values())
+    reads = {id(t.mix): t.mix2.n_out for t in model.modules() if isinstance(t, TokenMixing) and t.mix2 is not None}
+    counts['mixing_effective'] = counts['mixing'] - sum(
+        m.unused(min(m.n_out, reads.get(id(m), m.n_out))) for m in model.modules() if isinstance(m, Mixing))
     return counts
 
 
@@ -698,7 +770,7 @@ def flops_per_token(cfg):
         if isinstance(mod, Mixing):
             matmul_params.pop(id(mod.weight), None)
             matmul_params.pop(id(mod.bias), None)
-            flops += 6 * mod.heads * mod.n_out * mod.n_in * mod.channels * mod.kernel / cfg.n_ctx
+            flops += 6 * mod.weight[..., 0, 0].numel() * mod.n_out * mod.n_in * mod.channels / cfg.n_ctx
         elif isinstance(mod, Attention):
             flops += 12 * cfg.n_ctx * cfg.d_model
         elif isinstance(mod, Attention2):

@@ -9,8 +9,10 @@ retrieve.py: retrieval with masked mixers and transformers (paper §6), in one f
 
 Subcommands
   train     InfoNCE fine-tuning of a pretrained checkpoint on pairs_train.jsonl (§6.3, eqs 7-8)
-  eval      top-1 accuracy of one query against its target and n-1 other targets, for many n
-            (Tables 1, 3, 4), plus MRR@10 and recall@1/5/10 against all targets
+  eval      top-1 accuracy for many n (Tables 1, 3, 4), plus MRR@10 and recall@1/5/10 against all
+            targets. n counts as Table 1's caption does: one query, its matching target and n-2
+            non-matching targets, so n-1 candidates (chance 1/(n-1)). `indirect`'s c and the
+            paper negatives of `train` count the same way.
   indirect  a RetrievalMixer trained on the frozen model's embeddings (§6.2, Algorithm 1)
   index     embed your documents, in n_ctx-token chunks, into an index directory
   search    the best chunks of an index for a query
@@ -55,7 +57,7 @@ from model import RetrievalMixer
 from prepare import Tokenizer
 
 TAU = 0.02             # InfoNCE temperature (eq. 8)
-PAPER_NEGATIVES = 30   # --negatives=paper: one query, its target and 30 non-matching targets (§6.3)
+PAPER_N = 32           # --negatives=paper: n = 32 sequences, one query, its target and 30 non-matching targets (§6.3)
 DEFAULT_NS = tuple(2 ** k for k in range(5, 14))   # 32, 64, ..., 8192: the columns of Table 1
 
 
@@ -254,7 +256,7 @@ class PairBatches:
     def __init__(self, cfg, tok, n_ctx):
         self.cfg, self.n_ctx, self.pad = cfg, n_ctx, tok.pad_id
         self.pairs = {}
-        need = cfg['batch_size'] if cfg['negatives'] == 'inbatch' else max(cfg['batch_size'], PAPER_NEGATIVES + 1)
+        need = cfg['batch_size'] if cfg['negatives'] == 'inbatch' else max(cfg['batch_size'], PAPER_N - 1)
         for split in train.SPLITS:
             path = os.path.join(cfg['data_dir'], f'pairs_{split}.jsonl')
             queries, targets = read_pairs(path)
@@ -274,7 +276,7 @@ class PairBatches:
             rows, labels = match, torch.arange(B)[mine]
         else:
             gen = torch.Generator().manual_seed(int(rng.integers(2 ** 62)))
-            cands, labels = sample_candidates(torch.from_numpy(match), len(targets), PAPER_NEGATIVES + 1, gen)
+            cands, labels = sample_candidates(torch.from_numpy(match), len(targets), PAPER_N - 1, gen)
             rows, labels = cands[mine].flatten().tolist(), labels[mine]
         idx, mask = left_pad([queries[i] for i in match[mine]] + [targets[i] for i in rows], self.n_ctx, self.pad)
         return idx, mask, labels
@@ -341,11 +343,11 @@ def cmd_train(argv):
 # ----------------------------------------------------------------------------- eval
 
 def retrieval_metrics(q, t, ns=DEFAULT_NS, seed=0, chunk=512):
-    """Top-1 accuracy (%) of each query against its own target plus n-1 other targets sampled
-    without replacement, and MRR@10, recall@1/5/10 against all targets. q, t (N, d) unit rows,
-    q[i] matches t[i]. Each query draws one random order of the other targets (seeded) and its
-    first n-1 are the negatives for n, so the candidate sets are nested and accuracy falls with n.
-    A tie with a negative counts as a miss."""
+    """Top-1 accuracy (%) for each n of Table 1 (one query, its target and n-2 non-matching targets
+    sampled without replacement: n-1 candidates), and MRR@10, recall@1/5/10 against all targets.
+    q, t (N, d) unit rows, q[i] matches t[i]. Each query draws one random order of the other
+    targets (seeded) and its first n-2 are the negatives for n, so the candidate sets are nested
+    and accuracy falls with n. A tie with a negative counts as a miss."""
     N, gen = q.shape[0], torch.Generator().manual_seed(seed)
     hits = {n: 0 for n in ns}
     rank = torch.empty(N, dtype=torch.long)
@@ -360,7 +362,7 @@ def retrieval_metrics(q, t, ns=DEFAULT_NS, seed=0, chunk=512):
         order = keys.argsort(dim=1)[:, :N - 1]                         # (b, N-1) random order of the others
         best_neg = sim.gather(1, order).cummax(dim=1).values           # best of the first j+1 negatives
         for n in ns:
-            hits[n] += int((pos > best_neg[:, n - 2]).sum())
+            hits[n] += int((pos > best_neg[:, n - 3]).sum())
     return {'top1': {str(n): round(100.0 * hits[n] / N, 2) for n in ns},
             'mrr@10': round(float(torch.where(rank <= 10, 1.0 / rank, 0.0).mean()), 4),
             'recall@k': {str(k): round(100.0 * float((rank <= k).float().mean()), 2) for k in (1, 5, 10)},
@@ -368,11 +370,13 @@ def retrieval_metrics(q, t, ns=DEFAULT_NS, seed=0, chunk=512):
 
 
 def cap_ns(ns, n_pairs):
-    """Requested n values, each at most the number of pairs (with a note when capped)."""
-    capped = sorted({min(n, n_pairs) for n in ns})
-    if any(n > n_pairs for n in ns):
-        print(f"note: only {n_pairs} pairs, so n is capped at {n_pairs} "
-              f"(asked for {','.join(str(n) for n in ns if n > n_pairs)})", file=sys.stderr)
+    """Requested n (or c) values, each at most n_pairs + 1: the query and all n_pairs targets
+    (with a note when capped)."""
+    top = n_pairs + 1
+    capped = sorted({min(n, top) for n in ns})
+    if any(n > top for n in ns):
+        print(f"note: only {n_pairs} pairs, so n is capped at {top} (the query and every target; "
+              f"asked for {','.join(str(n) for n in ns if n > top)})", file=sys.stderr)
     return capped
 
 
@@ -389,8 +393,9 @@ def cmd_eval(args):
     queries, targets = read_pairs(args.pairs)
     if args.json:
         train.check_output_file(args.json, 'json')
+    ns = int_list(args.n, 'n')
     embedder = Embedder(args.ckpt, args.device, args.dtype, args.batch_size, args.embed_pos)
-    ns = cap_ns(int_list(args.n, 'n'), len(queries))
+    ns = cap_ns(ns, len(queries))
     t0 = time.perf_counter()
     q, t = embedder(queries), embedder(targets)
     t1 = time.perf_counter()
@@ -411,7 +416,7 @@ INDIRECT_DEFAULTS = dict(
     ckpt='',                # the frozen embedding model (train.py's checkpoint)
     data_dir='data/pystdlib',
     out_dir='out-indirect',  # one run per c in out_dir/c{c}/
-    c='32,128',             # comparison sizes: the query and c - 1 targets per RetrievalMixer input
+    c='32,128',             # comparison sizes, counted as Table 1's n: the query, its target and c - 2 others
     n_layers=8,             # RetrievalMixer depth; d_model is the embedding model's
     embed_pos='',
     batch_size=64,          # retrieval inputs per micro-batch (the paper used 512)
@@ -631,13 +636,14 @@ class Parser(argparse.ArgumentParser):
 
 
 def int_list(text, name='n'):
-    """'32,64,128' -> [32, 64, 128]."""
+    """'32,64,128' -> [32, 64, 128]. n and c count the query, its target and n-2 others: n >= 3."""
     try:
         values = [int(v) for v in str(text).split(',') if v.strip()]
     except ValueError:
         raise ValueError(f"--{name}={text!r}: give comma-separated integers like 32,64,128") from None
-    if not values or min(values) < 2:
-        raise ValueError(f"--{name}={text!r}: give comma-separated integers >= 2 like 32,64,128")
+    if not values or min(values) < 3:
+        raise ValueError(f"--{name}={text!r}: give comma-separated integers >= 3 like 32,64,128 "
+                         f"({name} counts the query, its target and {name}-2 non-matching targets)")
     return values
 
 
@@ -663,11 +669,12 @@ def parse(p, argv):
 
 
 def parse_eval(argv):
-    p = embedding_parser('eval', "Top-1 retrieval accuracy for n candidates (paper Tables 1/3/4), MRR@10, recall@k.")
+    p = embedding_parser('eval', "Top-1 retrieval accuracy for Table 1's n (n-1 candidates per query; paper Tables 1/3/4), MRR@10, recall@k.")
     p.add_argument('--ckpt', required=True, help="an 'lm' or 'retrieval' checkpoint")
     p.add_argument('--pairs', required=True, help='a pairs JSONL file ({"query": ..., "target": ...} per line)')
     p.add_argument('--n', default=','.join(map(str, DEFAULT_NS)),
-                   help='candidates per query: its target + n-1 others (default 32,64,...,8192; capped at the pair count)')
+                   help="Table 1's n: one query, its target and n-2 non-matching targets, i.e. n-1 candidates "
+                        "(default 32,64,...,8192; capped at the pair count + 1)")
     p.add_argument('--seed', type=int, default=0, help='seed of the sampled negatives')
     p.add_argument('--json', help='also write the metrics to this JSON file')
     return parse(p, argv)

@@ -4,6 +4,7 @@ Sections: model.py (causality of every variant and objective, padding, attention
 written-out reference, overfitting, accounting), decoding and sample.py, prepare.py, train.py,
 retrieve.py, bench.py.
 """
+import ast
 import contextlib
 import dataclasses
 from dataclasses import asdict, replace
@@ -68,7 +69,9 @@ CAUSAL = [
     dict(arch='mixer', expansion=2.0), dict(arch='mixer', expansion=0.5), dict(arch='mixer', n_convs=3),
     dict(arch='mixer', n_heads=2), dict(arch='mixer', softmax=True), dict(arch='mixer', pos_emb=True),
     dict(arch='mixer', n_heads=2, kernel=3, softmax=True, n_convs=2), dict(arch='mixer', tie_weights=True),
+    dict(arch='mixer', pos_channel='input'), dict(arch='mixer', pos_channel='every', n_convs=2),
     dict(arch='llama'), dict(arch='gpt'), dict(arch='hybrid'), dict(arch='hybrid', kernel=2, n_convs=2),
+    dict(arch='hybrid', hybrid_order='mix_attn'), dict(arch='hybrid', hybrid_order='parallel'),
     dict(arch='gmlp'), dict(arch='elita'),
     dict(arch='mixer', objective='mtp2'), dict(arch='llama', objective='mtp2'), dict(arch='elita', objective='mtp2'),
 ]
@@ -171,6 +174,25 @@ def test_objective_loss_is_causal(objective, arch):
     assert torch.count_nonzero(grad[:, :first_unseen]) > 0
 
 
+@pytest.mark.parametrize('arch', ['mixer', 'llama'])
+@pytest.mark.parametrize('T', [N, N // 2])
+def test_half_objective_is_causal_below_n_ctx(arch, T):
+    """The half loss (its own targets, all of the second half) never sees a token it predicts,
+    also for inputs shorter than n_ctx: the blanked positions and the targets split alike."""
+    model = make(tiny(arch=arch, objective='half'))
+    gen = torch.Generator().manual_seed(4)
+    idx = torch.randint(0, V, (2, T), generator=gen)
+    split = M.half_split(T)
+    targets = M.objective_targets('half', idx, None)
+    assert (targets[:, :split] == -1).all() and (targets[:, split:] >= 0).all()
+    other = idx.clone()
+    other[:, split:] = (idx[:, split:] + 1) % V
+    assert torch.equal(model(idx, targets)[1], model(other, targets)[1])
+    grad = embedding_grad(model, idx, None, lambda lg: model(idx, targets)[1])
+    assert torch.count_nonzero(grad[:, split:]) == 0
+    assert torch.count_nonzero(grad[:, :split]) > 0
+
+
 def test_objective_targets():
     x = torch.arange(8).view(1, 8)
     y = torch.arange(1, 9).view(1, 8)
@@ -203,6 +225,75 @@ def test_masked_weights_get_exactly_zero_gradient(variant):
         assert torch.count_nonzero(g * used) == used.sum() * g.shape[0] * g.shape[1] * g.shape[2]
 
 
+def test_parallel_mixings_are_not_one_flat_mixing():
+    """n_convs=p is sum_i GELU(M_i x + b_i) (the author's parallel convolutions), so no flat
+    mixing reproduces it: loading the summed weights and biases into n_convs=1 changes the logits."""
+    par = make(tiny(arch='mixer', n_convs=2))
+    flat = make(tiny(arch='mixer'))
+    flat.load_state_dict({k: v.sum(0, keepdim=True) if k.endswith(('.weight', '.bias')) and 'mix.' in k else v
+                          for k, v in par.state_dict().items()})
+    idx = torch.randint(0, V, (2, N))
+    assert (par(idx)[0] - flat(idx)[0]).abs().max() > 1e-3
+    mix = par.backbone.blocks[0].layers[0].mix
+    x = torch.randn(2, 1, N, D, dtype=torch.float64)
+    w, b = mix.weight[:, 0, 0].tril(), mix.bias[:, 0]             # (2, N, N), (2, N, 1)
+    assert torch.allclose(mix(x, M.Ctx(), N)[:, 0], sum(F.gelu(w[i] @ x[:, 0] + b[i]) for i in range(2)))
+    one = flat.backbone.blocks[0].layers[0].mix                   # a single (flat) mixing has no GELU
+    assert torch.allclose(one(x, M.Ctx(), N)[:, 0], one.weight[0, 0, 0].tril() @ x[:, 0] + one.bias[0, 0])
+
+
+def test_checkpoints_from_before_per_mixing_biases_load():
+    """A one-mixing bias saved as (heads, n_out, 1) loads into today's (1, heads, n_out, 1)."""
+    model = make(tiny(arch='mixer'))
+    old = {k: v[0] if k.endswith('mix.bias') else v for k, v in model.state_dict().items()}
+    again = build_model(tiny(arch='mixer')).double()
+    again.load_state_dict(old)
+    idx = torch.randint(0, V, (2, N))
+    assert torch.equal(again(idx)[0], model(idx)[0])
+
+
+def test_gpt_uses_gpt1_tanh_gelu_and_the_mixer_exact_gelu():
+    x = torch.randn(3, D, dtype=torch.float64)
+    for arch, approx in (('gpt', 'tanh'), ('mixer', 'none')):
+        mlp = make(tiny(arch=arch)).backbone.blocks[0].layers[1]
+        assert torch.equal(mlp(x), mlp.out(F.gelu(mlp.fc(x), approximate=approx)))
+    gelu_tanh = lambda h: 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))  # noqa: E731
+    assert torch.allclose(F.gelu(x, approximate='tanh'), gelu_tanh(x))
+
+
+@pytest.mark.parametrize('where', ['input', 'every'])
+def test_position_channel_holds_the_centred_position(where):
+    """The blog's ablation: the last channel carries t - n_ctx/2 (on the embedding, and with
+    'every' again after each block); the embedding table's last column is never read."""
+    model = make(tiny(arch='mixer', pos_channel=where))
+    T = N - 3
+    idx = torch.randint(0, V, (2, T))
+    h = model.hidden(idx)
+    centred = torch.arange(T, dtype=h.dtype) - N // 2
+    assert torch.equal(h[0, :, -1], centred) == (where == 'every')   # the mixer has no final norm
+    model(idx, idx)[1].backward()
+    g = model.backbone.wte.weight.grad
+    assert torch.count_nonzero(g[:, -1]) == 0 and torch.count_nonzero(g[:, :-1]) > 0
+    plain = make(tiny(arch='mixer'))                                  # same weights (same seed), no channel
+    assert not torch.allclose(plain.hidden(idx), h)
+
+
+@pytest.mark.parametrize('variant', [dict(), dict(n_convs=3), dict(expansion=2.0), dict(expansion=0.5),
+                                     dict(n_heads=2, kernel=3), dict(arch='hybrid'), dict(arch='gmlp')])
+def test_effective_mixing_params_are_those_that_get_gradient(variant):
+    """param_counts' mixing_effective leaves out masked entries and never-read hidden rows: it
+    equals the mixing parameters with a nonzero gradient after a loss on every position."""
+    model = make(tiny(**{'arch': 'mixer', **variant}))
+    counts = M.param_counts(model)
+    model(torch.randint(0, V, (2, N)), torch.randint(0, V, (2, N)))[1].backward()
+    mixing = [m for m in model.modules() if isinstance(m, (M.TokenMixing, M.Mixing, M.Attention))]
+    params = {id(p): p for m in mixing for p in m.parameters()}
+    assert sum(p.numel() for p in params.values()) == counts['mixing']
+    assert sum(int(torch.count_nonzero(p.grad)) for p in params.values()) == counts['mixing_effective']
+    if variant == dict():
+        assert counts['mixing_effective'] == 2 * (N * (N + 1) // 2 + N)   # a tril and its bias per layer
+
+
 def test_expanded_mixer_below_one_loses_tokens():
     """Paper fig S3: with e < 1 the hidden has e*n rows, so tokens at positions >= e*n never reach
     another position (only their own, through the residual)."""
@@ -216,15 +307,16 @@ def test_expanded_mixer_below_one_loses_tokens():
 
 def test_softmax_mixing_rows_sum_to_one_over_the_past():
     mix = make(tiny(arch='mixer', softmax=True)).backbone.blocks[0].layers[0].mix
-    m = mix.matrix(0, N, N)[0, 0]                             # (n_out, n_in) of head 0
+    m = mix.matrix(0, N, N)[0, 0, 0]                          # (n_out, n_in) of head 0
     assert torch.allclose(m.sum(-1), torch.ones(N, dtype=m.dtype))
     assert torch.count_nonzero(m.triu(1)) == 0
     assert (m.tril() > 0).sum() == N * (N + 1) // 2
 
 
+@pytest.mark.parametrize('share_ffn', [True, False])
 @pytest.mark.parametrize('arch', ['mixer', 'llama'])
-def test_bidirectional_lm_never_sees_the_token_it_predicts(arch):
-    model = make(tiny(arch=arch, objective='bidirectional'))
+def test_bidirectional_lm_never_sees_the_token_it_predicts(arch, share_ffn):
+    model = make(tiny(arch=arch, objective='bidirectional', share_ffn=share_ffn))
     idx = torch.randint(0, V, (2, N))
     logits, _ = model(idx)
     for t in (0, 4, N - 3):
@@ -234,6 +326,25 @@ def test_bidirectional_lm_never_sees_the_token_it_predicts(arch):
         grad = embedding_grad(model, idx, None, lambda lg: lg[:, t].pow(2).sum())
         assert torch.count_nonzero(grad[:, t + 1]) == 0
         assert torch.count_nonzero(grad[:, t]) > 0 and torch.count_nonzero(grad[:, t + 2]) > 0
+
+
+@pytest.mark.parametrize('arch', ['mixer', 'llama'])
+def test_bidirectional_streams_share_feedforwards_by_default(arch):
+    """The author's bidirectional mixer: each block's feed-forward and its norm serve both
+    streams; the mixings (or attentions) stay per stream. share_ffn=False gives each its own."""
+    shared, apart = (build_model(tiny(arch=arch, objective='bidirectional', share_ffn=s)) for s in (True, False))
+    for f, r in zip(shared.fwd.blocks, shared.rev.blocks):
+        assert f.layers[-1] is r.layers[-1] and f.norms[-1] is r.norms[-1] and f.layers[0] is not r.layers[0]
+    ffn = sum(p.numel() for b in apart.fwd.blocks for p in [*b.layers[-1].parameters(), *b.norms[-1].parameters()])
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731 (parameters() counts a shared one once)
+    assert count(apart) - count(shared) == ffn
+    assert set(shared.state_dict()) == set(apart.state_dict())   # same keys, so loading checks the values:
+    with pytest.raises(ValueError, match='share_ffn=False'):       # separate feed-forwards never load as shared
+        shared.load_state_dict(apart.state_dict())
+    apart.load_state_dict(shared.state_dict())                      # shared ones load as two equal copies
+    x = torch.randint(0, V, (2, N))
+    shared(x, x)[1].backward()
+    assert all(p.grad is not None for p in shared.parameters())
 
 
 @pytest.mark.parametrize('arch', ['mixer', 'llama'])
@@ -265,7 +376,7 @@ def test_retrieval_mixer_only_position_dependence_is_its_mixing_weights():
     with torch.no_grad():
         for mix in (m for m in net.modules() if isinstance(m, M.Mixing)):
             mix.weight.copy_(mix.weight[..., perm, :][..., perm])
-            mix.bias.copy_(mix.bias[:, perm])
+            mix.bias.copy_(mix.bias[..., perm, :])
     permuted, _ = net(x[:, perm])
     assert torch.allclose(permuted, logits[:, perm[1:] - 1])
 
@@ -338,6 +449,9 @@ def test_every_arch_overfits_one_batch(variant):
     (dict(objective='mlm'), 'objective'), (dict(arch='gpt', objective='autoencoder'), 'objective'),
     (dict(arch='elita', causal=False), 'causal'), (dict(arch='llama', d_model=12, n_heads=4), 'n_heads'),
     (dict(expansion=2.0, n_convs=2), 'n_convs'), (dict(objective='bidirectional', softmax=True), 'softmax'),
+    (dict(pos_channel='all'), 'pos_channel'), (dict(hybrid_order='parallel'), 'hybrid_order'),
+    (dict(arch='hybrid', hybrid_order='attn'), 'hybrid_order'), (dict(share_ffn=False), 'share_ffn'),
+    (dict(objective='bidirectional', share_ffn=1), 'share_ffn'),
 ])
 def test_bad_config_is_a_one_line_value_error(kw, msg):
     with pytest.raises(ValueError, match=msg) as err:
@@ -407,9 +521,13 @@ DECODERS = {
     'mixer-heads2-kernel3-softmax': dict(arch='mixer', n_heads=2, kernel=3, softmax=True),
     'mixer-softmax': dict(arch='mixer', softmax=True),
     'mixer-pos_emb': dict(arch='mixer', pos_emb=True),
+    'mixer-pos_channel-input': dict(arch='mixer', pos_channel='input'),
+    'mixer-pos_channel-every': dict(arch='mixer', pos_channel='every'),
     'mixer-tied-mtp2': dict(arch='mixer', tie_weights=True, objective='mtp2'),
     'hybrid': dict(arch='hybrid'),
     'hybrid-kernel3-parallel': dict(arch='hybrid', kernel=3, n_convs=2),
+    'hybrid-mix_attn': dict(arch='hybrid', hybrid_order='mix_attn'),
+    'hybrid-parallel-order': dict(arch='hybrid', hybrid_order='parallel'),
     'gmlp': dict(arch='gmlp'),
     'llama': dict(arch='llama'),
     'gpt': dict(arch='gpt'),
@@ -1336,6 +1454,17 @@ def test_parse_args_presets_and_overrides(tmp_path):
         train.parse_args(['--schedule=step'], train.DEFAULTS, train.CHOICES)
 
 
+@pytest.mark.parametrize('preset', sorted(os.listdir(os.path.join(HERE, 'config'))))
+def test_every_preset_names_its_source_and_builds(preset):
+    """A preset says which paper table or section it follows (or that it is not a paper run), and
+    its settings make a valid model config."""
+    path = os.path.join(HERE, 'config', preset)
+    doc = ast.get_docstring(ast.parse(open(path).read())) or ''
+    assert re.search(r'Table S?\d|§\d', doc) or doc.startswith('Not a paper run'), doc
+    cfg = train.parse_args([path], train.DEFAULTS, train.CHOICES)
+    ModelConfig(vocab_size=8000, **{k: cfg[k] for k in train.MODEL_KEYS})
+
+
 def test_lr_schedule():
     cfg = dict(train.DEFAULTS, lr=1.0, min_lr=0.1, warmup_iters=9)
     assert train.get_lr(cfg, 0, 0.0) == pytest.approx(0.1) and train.get_lr(cfg, 9, 0.0) == 1.0
@@ -1522,11 +1651,12 @@ def test_eval_identical_texts_is_100_percent(corpus, autoencoder, capsys, tmp_pa
         assert m['recall@k'] == {'1': 100.0, '5': 100.0, '10': 100.0}
 
 
-def test_eval_random_scores_are_one_in_n():
+def test_eval_random_scores_are_one_in_n_minus_one():
+    """Table 1's n: one query, its target and n-2 non-matching targets, so chance is 1/(n-1)."""
     N = 3000
-    m = retrieve.retrieval_metrics(unit(N, 64, seed=5).float(), unit(N, 64, seed=6).float(), ns=(8, 32), seed=0)
-    for n in (8, 32):
-        p, sd = 100 / n, 100 * math.sqrt((1 / n) * (1 - 1 / n) / N)
+    m = retrieve.retrieval_metrics(unit(N, 64, seed=5).float(), unit(N, 64, seed=6).float(), ns=(3, 8, 32), seed=0)
+    for n in (3, 8, 32):
+        p, sd = 100 / (n - 1), 100 * math.sqrt((1 / (n - 1)) * (1 - 1 / (n - 1)) / N)
         assert abs(m['top1'][str(n)] - p) < 4 * sd, (n, m['top1'])
     assert abs(m['recall@k']['10'] - 100 * 10 / N) < 0.5
 
@@ -1535,8 +1665,8 @@ def test_eval_caps_n_at_the_pair_count(corpus, capsys, tmp_path):
     _, data, mixer, _ = corpus
     code, out, err = retrieve_run(['eval', f'--ckpt={mixer}', f'--pairs={data / "pairs_val.jsonl"}', '--n=16,64,128',
                           f'--json={tmp_path / "m.json"}'], capsys)
-    assert code == 0 and 'capped at 48' in err
-    assert list(json.loads((tmp_path / 'm.json').read_text())['top1']) == ['16', '48']
+    assert code == 0 and 'capped at 49' in err                     # the query and all 48 targets
+    assert list(json.loads((tmp_path / 'm.json').read_text())['top1']) == ['16', '49']
 
 
 # ----------------------------------------------------------------------------- indirect
@@ -1640,7 +1770,7 @@ def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     assert evals[-1]['val_loss'] < min(evals[0]['val_loss'], math.log(16)) - 0.1, evals
     code, out, err = retrieve_run(['eval', f'--ckpt={out_dir / "ckpt.pt"}', f'--pairs={data / "pairs_val.jsonl"}', '--n=48',
                           f'--json={tmp_path / "m.json"}'], capsys)
-    assert json.loads((tmp_path / 'm.json').read_text())['top1']['48'] > 3 * 100 / 48   # chance is 1 in 48
+    assert json.loads((tmp_path / 'm.json').read_text())['top1']['48'] > 3 * 100 / 47   # chance is 1 in 47
     ckpt = train.load_checkpoint(out_dir / 'ckpt.pt')
     assert ckpt['kind'] == 'retrieval' and ckpt['embed_pos'] == -1 and ckpt['init_from'] == os.path.abspath(mixer)
     model = train.model_from_checkpoint(ckpt)                            # an ordinary model checkpoint
@@ -1695,6 +1825,8 @@ def test_bad_input_is_one_line_error(corpus, capsys, tmp_path):
         (['eval', f'--ckpt={mixer}', f'--pairs={bad}'], f'{bad}:3'),
         (['eval', f'--ckpt={tmp_path / "none.pt"}', f'--pairs={data / "pairs_val.jsonl"}'], 'no checkpoint at'),
         (['eval', f'--ckpt={mixer}', f'--pairs={data / "pairs_val.jsonl"}', '--n=1x'], 'comma-separated'),
+        (['eval', f'--ckpt={mixer}', f'--pairs={data / "pairs_val.jsonl"}', '--n=2,32'], 'integers >= 3'),
+        (['indirect', f'--ckpt={mixer}', f'--data_dir={data}', '--c=2'], 'integers >= 3'),
         (['eval', f'--ckpt={mixer}'], '--pairs'),
         (['train', f'--data_dir={data}'], '--init_from='),
         (['train', f'--init_from={mixer}', f'--data_dir={data}', '--negatives=hard'], 'inbatch, paper'),
@@ -1749,6 +1881,16 @@ def test_bench_memory_grows_with_the_model_and_reports_oom(capsys):
     assert '| n_layers=2 |' in capsys.readouterr().out            # laid out like Tables S9/S10
     s = bench.settings(bench.parse_args(['memory', *big, '--mem_limit=1']), 'memory')
     assert bench.run_cell(s, 'mixer', 2, 256) is None               # 1 MB cannot hold it: OOM
+
+
+def test_bench_memory_takes_the_attention_head_count():
+    """--n_heads reaches llama's cells (the paper's Table S10 used 32 heads): on CPU each head keeps
+    its own n_ctx x n_ctx scores, so 8 heads need more memory than 1; a mixer keeps one head."""
+    small = ['--d_model=64', '--n_layers=2', '--n_ctx=512', '--dtype=float32', '--batch_size=2']
+    one, eight = (bench.settings(bench.parse_args(['memory', *small, f'--n_heads={h}']), 'memory') for h in (1, 8))
+    assert [cfg.n_heads for cfg in bench.grid(eight)] == [1, 8]        # the default archs: mixer, llama
+    # 7 more heads x (scores + softmax) x 2 rows x 512^2 x 4 bytes x 2 layers = 117 MB more
+    assert bench.run_cell(eight, 'llama', 2, 512) - bench.run_cell(one, 'llama', 2, 512) > 60 * 2**20
 
 
 def test_bench_generate_both_methods_and_prompt_check():

@@ -429,7 +429,8 @@ def check_out_dir(out_dir, fresh=False, overwrite=False, flag='out_dir', resumab
     """Fail before any work if out_dir cannot be written, or if a fresh (not resumed) run would
     replace the run it holds and the user did not say --overwrite."""
     held = [f for f in ('ckpt.pt', 'best.pt', 'log.jsonl') if os.path.isfile(os.path.join(out_dir, f))]
-    if fresh and held and not overwrite:
+    writer = int(os.environ.get('RANK', 0)) == 0  # DDP: only rank 0 writes; the others may look after it began
+    if fresh and held and not overwrite and writer:
         resume = "continue it with --init_from=resume, " if resumable else ""
         raise ValueError(f"out_dir {out_dir} already holds a run ({', '.join(held)}): {resume}replace it with "
                          f"--overwrite, or pass a new --out_dir")

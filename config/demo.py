@@ -1,4 +1,4 @@
-"""The README's main command: a small masked mixer on the Python standard library, on CPU.
+"""Not a paper run: the README's main command, a small masked mixer on the Python standard library, on CPU.
 python prepare.py && python train.py config/demo.py && python sample.py --prompt='def main('
 Five minutes of training (max_time) on 2 cores; bf16 autocast. Of the settings tried for this
 budget (notes_train.md), the smallest model won: more steps beat more width here."""

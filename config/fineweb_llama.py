@@ -1,9 +1,12 @@
-"""FineWeb-edu 10BT (paper §4, figs 4 and 7): Llama-style transformer, d_model 512, 16 layers, 4 heads, n_ctx 512.
+"""FineWeb-edu 10BT, paper §4.3 and fig 4 (the n_ctx 512 point):
+Llama-style transformer, d_model 512, 16 layers, 4 heads, n_ctx 512.
 Data: python prepare.py fineweb-edu (8000-token BPE).
-Batch: n_ctx x batch_size x grad_accum = 512 x 32 x 4 = 65,536 tokens per optimizer step for the node.
+Batch: §4.3's rule n_ctx x batch = 65,536 tokens per optimizer step for the node:
+n_ctx x batch_size x grad_accum = 512 x 32 x 4.
   torchrun --standalone --nproc_per_node=4 train.py config/fineweb_llama.py   # 1 micro-batch of 32 per GPU
   python train.py config/fineweb_llama.py                                      # 4 micro-batches on 1 GPU
-Budget: the paper's 200k steps, about 20 h on 4x V100, whichever comes first."""
+Budget: §4's 20 h on the 4x V100, or 200k steps (the author's FineWeb training scripts),
+whichever comes first."""
 data_dir = 'data/fineweb-edu'
 out_dir = 'out/fineweb_llama'
 arch = 'llama'

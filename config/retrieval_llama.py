@@ -1,4 +1,5 @@
-"""Retrieval pretraining on pystdlib (paper §6.1), transformer side: config/retrieval_mixer.py's run
+"""Retrieval pretraining on pystdlib, following paper §6.1's left padding (CPU-sized, not the
+paper's sizes), transformer side: config/retrieval_mixer.py's run
 (same data, left padding, size, batch and budget) with a Llama-style model, at the paper's
 transformer:mixer learning-rate ratio (2e-4 : 5e-4).
 python train.py config/retrieval_llama.py && python retrieve.py train --init_from=out/retrieval_llama/ckpt.pt ..."""

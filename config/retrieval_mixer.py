@@ -1,4 +1,5 @@
-"""Retrieval pretraining on pystdlib (paper §6.1), mixer side: a small masked mixer trained for
+"""Retrieval pretraining on pystdlib, following paper §6.1's left padding; size, lr and budget are
+CPU-sized choices, not the paper's (it pretrained d_model 512-1024 models for hours on FineWeb). Mixer side: a small masked mixer trained for
 causal language modelling on left-padded document chunks, so the last real token always sits at the
 window's last position, where retrieve.py reads embeddings. config/retrieval_llama.py is the same run
 with a transformer.

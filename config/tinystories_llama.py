@@ -1,7 +1,13 @@
-"""TinyStories (paper §4, Tables S4/S6): the optimized Llama-style transformer, d_model 512, 8 layers, 4 heads.
+"""TinyStories, paper Table S6 (4x V100, 2.25 h), its best column "b = 32" (train 1.68, eval 1.73):
+Llama-style transformer, d_model 512, 8 layers, 4 heads (Table S4: 4 heads beat 32), lr 0.005.
+Learning rate: Table S6's caption gives eta = 0.005 for its runs, and the blog says raising the
+transformer's rate to 0.005 helped; §9.5 gives 2e-4 for transformers. The preset follows S6, the
+table it reproduces; --lr=2e-4 is §9.5's setting.
+Batch: 32 per GPU, as the blog's DDP runs (32 samples on each of 4 GPUs, 128 per update).
 Data: python prepare.py tinystories --max_docs=2000000 (the paper's first 2M stories, 4096 BPE).
-Budget: the paper's 4x V100 run, 2.25 h (torchrun --standalone --nproc_per_node=4 ...);
-its single RTX 3060 run is --max_time=43200 (12 h)."""
+Budget: torchrun --standalone --nproc_per_node=4 train.py config/tinystories_llama.py (one
+micro-batch per GPU); on one GPU the 4 micro-batches run in turn. The 3060 runs of Tables S1-S4
+were 12 h on one GPU (--max_time=43200)."""
 data_dir = 'data/tinystories'
 out_dir = 'out/tinystories_llama'
 arch = 'llama'
@@ -10,9 +16,9 @@ n_layers = 8
 n_heads = 4                # the paper: 4 heads beat Llama-2's default 32 (Table S4)
 n_ctx = 512
 batch_mode = 'documents'   # one story per row, right-padded; pads are masked out of attention and loss
-batch_size = 16            # per micro-batch (per GPU)
+batch_size = 32            # per micro-batch (per GPU): Table S6's b = 32
 grad_accum = 4             # 4 GPUs: one micro-batch each; 1 GPU: 4 micro-batches per step
-lr = 2e-4                  # paper §9.5: transformers
+lr = 5e-3                  # Table S6's caption (see above; §9.5 says 2e-4)
 warmup_iters = 500
 max_iters = 0
 max_time = 8100.0          # seconds of training: 2.25 h
