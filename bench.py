@@ -470,7 +470,8 @@ def memory_tables(rows):
         table = [{'': f"n_layers={n}", **{f"n_ctx={r['n_ctx']}": r['mb'] for r in mine if r['n_layers'] == n}}
                  for n in dict.fromkeys(r['n_layers'] for r in mine)]
         r = mine[0]
-        head = f"{arch}, d_model={r['d_model']}, {r['n_heads']} head(s), batch {r['batch_size']}, {r['dtype']}, {r['device']} (MB)"
+        head = (f"{arch}, d_model={r['d_model']}, {r['n_heads']} head(s), batch {r['batch_size']}, {r['dtype']}, "
+                f"{r['device']} (MB)")
         out.append(head + '\n\n' + markdown(table, [''] + [f"n_ctx={c}" for c in ctxs]))
     return '\n\n'.join(out)
 

@@ -57,7 +57,7 @@ from model import RetrievalMixer
 from prepare import Tokenizer
 
 TAU = 0.02             # InfoNCE temperature (eq. 8)
-PAPER_N = 32           # --negatives=paper: n = 32 sequences, one query, its target and 30 non-matching targets (§6.3)
+PAPER_N = 32           # --negatives=paper: n = 32 sequences, a query, its target and 30 non-matching ones (§6.3)
 DEFAULT_NS = tuple(2 ** k for k in range(5, 14))   # 32, 64, ..., 8192: the columns of Table 1
 
 
@@ -669,7 +669,8 @@ def parse(p, argv):
 
 
 def parse_eval(argv):
-    p = embedding_parser('eval', "Top-1 retrieval accuracy for Table 1's n (n-1 candidates per query; paper Tables 1/3/4), MRR@10, recall@k.")
+    p = embedding_parser('eval', "Top-1 retrieval accuracy for Table 1's n (n-1 candidates per query; "
+                                 "paper Tables 1/3/4), MRR@10, recall@k.")
     p.add_argument('--ckpt', required=True, help="an 'lm' or 'retrieval' checkpoint")
     p.add_argument('--pairs', required=True, help='a pairs JSONL file ({"query": ..., "target": ...} per line)')
     p.add_argument('--n', default=','.join(map(str, DEFAULT_NS)),
