@@ -127,7 +127,7 @@ def split_of(key, val_share):
 def eot_documents(path):
     """The documents of a text file, split at lines holding only <|endoftext|>. Bytes that are not
     UTF-8 become U+FFFD, with a warning naming the file (once)."""
-    lines, replaced = [], len(NOT_UTF8)
+    lines, replaced = [], NOT_UTF8[0]
     with open(path, encoding='utf-8', errors='count-replace') as f:
         for line in f:
             if line.strip() == EOT:
@@ -136,14 +136,22 @@ def eot_documents(path):
             else:
                 lines.append(line)
     yield ''.join(lines)
-    if len(NOT_UTF8) > replaced and path not in WARNED:
+    if NOT_UTF8[0] > replaced and path not in WARNED:
         WARNED.add(path)
-        print(f'warning: {path} is not UTF-8 text: its {len(NOT_UTF8) - replaced} undecodable byte run(s) became '
-              f'U+FFFD; convert it first (e.g. iconv -f latin1 -t utf-8) to keep them', file=sys.stderr)
+        tqdm.write(f'warning: {path} is not UTF-8 text: its {NOT_UTF8[0] - replaced} undecodable byte run(s) became '
+                   f'U+FFFD; convert it first (e.g. iconv -f latin1 -t utf-8) to keep them', file=sys.stderr)
 
 
-NOT_UTF8, WARNED = [], set()  # undecodable byte runs met so far; files warned about
-codecs.register_error('count-replace', lambda e: (NOT_UTF8.append(e.start) or '\ufffd', e.end))
+NOT_UTF8, WARNED = [0], set()  # undecodable byte runs met so far; files warned about
+
+
+def count_replace(e):
+    """Decoding error handler: U+FFFD as errors='replace' gives, counted for the warning."""
+    NOT_UTF8[0] += 1
+    return '\ufffd', e.end
+
+
+codecs.register_error('count-replace', count_replace)
 
 
 def stdlib_files():
