@@ -8,6 +8,7 @@ import ast
 import contextlib
 import dataclasses
 from dataclasses import asdict, replace
+from pathlib import Path
 import hashlib
 import http.server
 import io
@@ -2023,8 +2024,7 @@ MAINS = {'train': train.main, 'sample': sample.main, 'retrieve': retrieve.main, 
 
 def tree(folder):
     """Every file under folder, as {relative path: bytes}."""
-    folder = str(folder)
-    return {os.path.relpath(os.path.join(d, n), folder): open(os.path.join(d, n), 'rb').read()
+    return {os.path.relpath(os.path.join(d, n), folder): Path(d, n).read_bytes()
             for d, _, names in os.walk(folder) for n in names}
 
 
@@ -2053,25 +2053,21 @@ def dead_pid():
 @pytest.mark.parametrize('case', ['train', 'retrieve train', 'retrieve indirect', 'retrieve index'])
 def test_a_finished_run_is_never_replaced_unasked(case, trained, corpus, capsys, tmp_path):
     _, data, mixer, _ = corpus
-    run = tmp_path / 'run'
+    run = tmp_path / ('c4' if case == 'retrieve indirect' else 'run')  # indirect writes out_dir/c{c}
     run.mkdir()
     (run / 'ckpt.pt').write_bytes(b'a long run')
     (run / 'log.jsonl').write_text('{"step": 1}\n')
+    if case == 'retrieve index':
+        (run / 'manifest.json').write_text('{}')
     argv, culprit = {
         'train': ([f'--data_dir={trained.parent / "data"}', f'--out_dir={trained}', *TINY], '--init_from=resume'),
         'retrieve train': (['train', f'--init_from={mixer}', f'--data_dir={data}', f'--out_dir={run}'], '--overwrite'),
-        'retrieve indirect': (['indirect', f'--ckpt={mixer}', f'--data_dir={data}', f'--out_dir={tmp_path}',
-                               '--c=4', '--max_iters=1'], '--overwrite'),
+        'retrieve indirect': (['indirect', f'--ckpt={mixer}', f'--data_dir={data}', f'--out_dir={tmp_path}', '--c=4'],
+                              '--overwrite'),
         'retrieve index': (['index', f'--ckpt={mixer}', f'--docs={data / "pairs_val.jsonl"}', f'--index={run}'],
                            '--overwrite'),
     }[case]
-    if case == 'retrieve indirect':
-        os.rename(run, tmp_path / 'c4')
-        run = tmp_path / 'c4'
-    if case == 'retrieve index':
-        (run / 'manifest.json').write_text('{}')
-    refused(capsys, case.split()[0], argv, culprit,
-            keep=[trained if case == 'train' else run])
+    refused(capsys, case.split()[0], argv, culprit, keep=[trained if case == 'train' else run])
 
 
 def test_overwrite_starts_the_run_afresh(data, tmp_path, capsys):
