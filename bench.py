@@ -274,19 +274,19 @@ def time_decoding(model, prompt, new_tokens, method, s):
     return stamps[0] - t0, (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
 
 
-def measure_read_bandwidth(device, mib=64, budget=0.3):
+def measure_read_bandwidth(device, mib=64, budget=0.5):
     """Bytes/s of a streaming read: sums of a mib-MiB fp32 buffer (larger than the 32 MB L3 of
-    the CPUs this was written on) with torch's threads, repeated for `budget` seconds; the median,
-    so that on a shared machine it sees the same load as the decoding timed next to it."""
+    the CPU this was written on) with torch's threads, for `budget` seconds after one warm-up.
+    Bytes over wall time, as decoding tokens/s is: on a shared machine both see the same load."""
     a = torch.ones(mib * 2**20 // 4, device=device)
-    times, deadline = [], time.perf_counter() + budget
-    while len(times) < 3 or time.perf_counter() < deadline:
-        sync(device)
-        t0 = time.perf_counter()
+    a.sum()
+    sync(device)
+    n, t0 = 0, time.perf_counter()
+    while n < 2 or time.perf_counter() < t0 + budget:
         a.sum()
         sync(device)
-        times.append(time.perf_counter() - t0)
-    return a.numel() * 4 / statistics.median(times[1:])  # the first read warms up
+        n += 1
+    return n * a.numel() * 4 / (time.perf_counter() - t0)
 
 
 def bench_generate(s):

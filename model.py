@@ -107,7 +107,7 @@ def allowed_positions(direction, rows, cols, row0, device):
 
 
 def split_heads(x, heads):  # (B, T, H * c) -> (B, H, T, c), a view (einops costs ~20 us a call)
-    return x.unflatten(-1, (heads, -1)).transpose(1, 2)
+    return x.reshape(*x.shape[:-1], heads, -1).transpose(1, 2)
 
 
 def merge_heads(x):  # (B, H, T, c) -> (B, T, H * c)
@@ -117,8 +117,8 @@ def merge_heads(x):  # (B, H, T, c) -> (B, T, H * c)
 def linear(mod, x, ctx=None):
     """mod(x) for an nn.Linear; when decoding in fp32 on CPU (ctx holds a cache), through a copy of
     the weight stored transposed, made once per stream: for a few rows, MKL streams an (in, out)
-    weight ~4x faster than the (out, in) one nn.Linear keeps (2.4 vs 10.8 GB/s, AMD EPYC, AVX2),
-    and a decoding step is bound by that read. Same numbers up to float rounding."""
+    weight 2-4x faster than the (out, in) one nn.Linear keeps (AMD EPYC, AVX2; e.g. 2.4 vs 10.8
+    GB/s), and a decoding step is bound by that read. Same numbers up to float rounding."""
     if ctx is None or ctx.cache is None or x.device.type != 'cpu' or x.dtype != torch.float32:
         return mod(x)
     w = ctx.cache.get(mod)
@@ -154,9 +154,7 @@ class Mixing(nn.Module):
     def matrix(self, row0, rows, cols):
         """Masked weights (heads, kernel, rows, cols) for outputs [row0, row0+rows), inputs [0, cols)."""
         w = self.weight[..., row0:row0 + rows, :cols]               # (P, H, k, R, C)
-        if self.direction == 'causal' and cols <= row0 + 1:  # a decoding step's row: every s <= t,
-            m = w.softmax(dim=-1) if self.softmax else w      # nothing to mask, no masked copy
-        elif self.softmax:  # mask with -inf *before* the softmax, so the future gets no weight
+        if self.softmax:  # mask with -inf *before* the softmax, so the future gets no weight
             keep = allowed_positions(self.direction, rows, cols, row0, w.device)
             m = w.masked_fill(~keep, float('-inf')).softmax(dim=-1)
         elif self.direction == 'causal':
@@ -176,7 +174,7 @@ class Mixing(nn.Module):
             if buf is None or p0 == 0:
                 buf = x.new_zeros(x.shape[0], self.heads, self.n_in, self.channels)
                 ctx.cache[self] = buf
-            if t_in == t_new == 1 and self.kernel == 1 and len(self.weight) == 1 and p0 < self.n_out \
+            if t_in == t_new == 1 and self.kernel == 1 and self.weight.shape[0] == 1 and p0 < self.n_out \
                     and self.direction == 'causal':
                 return self.step(x, p0, buf)
             buf[:, :, p0:p0 + t_in] = x
@@ -284,7 +282,8 @@ class Attention(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
     def forward(self, x, ctx):  # (B, T, d) -> (B, T, d)
-        q, k, v = qkv = linear(self.qkv, x, ctx).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, hd)
+        qkv = linear(self.qkv, x, ctx).reshape(*x.shape[:-1], 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv                                                  # (B, H, T, hd) each
         if self.rope:
             q, k = self.rotate(qkv[:2], ctx.pos)
         if ctx.cache is not None:  # KV cache

@@ -16,9 +16,10 @@ decodes inside that window. Both methods live in model.py (LanguageModel.stream)
           mixing: O(n d) per layer and token, O(n^2 d) per window — the analog of a transformer's
           KV cache. It computes the same numbers as `window` (tests check tokens and logits).
 When the window is full, both keep its last n_ctx/2 tokens, re-encode them at the window start
-and continue. --num_samples=N decodes the N samples as one batch: a cached step of batch 1 is bound
-by reading the weights, so N rows cost little more than one (same seed and N, same samples). Transformers use their KV cache (ELiTA: its recurrent running sums) for `cache`,
+and continue. Transformers use their KV cache (ELiTA: its recurrent running sums) for `cache`,
 and plain full recomputation of the window for `window`.
+--num_samples=N decodes the N samples as one batch: a cached step at batch 1 is bound by reading
+the weights, so N rows cost little more than one (the same seed and N give the same samples).
 """
 import argparse
 import os
