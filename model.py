@@ -114,19 +114,6 @@ def merge_heads(x):  # (B, H, T, c) -> (B, T, H * c)
     return x.transpose(1, 2).flatten(2)
 
 
-def linear(mod, x, ctx=None):
-    """mod(x) for an nn.Linear; when decoding in fp32 on CPU (ctx holds a cache), through a copy of
-    the weight stored transposed, made once per stream: for a few rows, MKL streams an (in, out)
-    weight 2-4x faster than the (out, in) one nn.Linear keeps (AMD EPYC, AVX2; e.g. 2.4 vs 10.8
-    GB/s), and a decoding step is bound by that read. Same numbers up to float rounding."""
-    if ctx is None or ctx.cache is None or x.device.type != 'cpu' or x.dtype != torch.float32:
-        return mod(x)
-    w = ctx.cache.get(mod)
-    if w is None:  # (out, in) shaped, (in, out) in memory: F.linear hands MKL the contiguous one
-        w = ctx.cache[mod] = mod.weight.t().contiguous().t()
-    return F.linear(x, w, mod.bias)
-
-
 # ----------------------------------------------------------------------------- masked mixing
 
 class Mixing(nn.Module):
@@ -282,7 +269,7 @@ class Attention(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
     def forward(self, x, ctx):  # (B, T, d) -> (B, T, d)
-        qkv = linear(self.qkv, x, ctx).reshape(*x.shape[:-1], 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x).reshape(*x.shape[:-1], 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         q, k, v = qkv                                                  # (B, H, T, hd) each
         if self.rope:
             q, k = self.rotate(qkv[:2], ctx.pos)
@@ -295,7 +282,7 @@ class Attention(nn.Module):
             k, v = kv[0, :, :, :ctx.pos + k.shape[2]], kv[1, :, :, :ctx.pos + k.shape[2]]
         mask, is_causal = attention_mask(self.direction, ctx.pos, q.shape[2], k.shape[2], ctx.mask, x.device)
         y = attend(q, k, v, mask, is_causal)
-        return linear(self.proj, merge_heads(y), ctx)
+        return self.proj(merge_heads(y))
 
 
 class Attention2(nn.Module):
@@ -368,7 +355,7 @@ class MLP(nn.Module):
         self.fc, self.out = nn.Linear(d, hidden), nn.Linear(hidden, d)
 
     def forward(self, x, ctx=None):
-        return linear(self.out, F.gelu(linear(self.fc, x, ctx)), ctx)
+        return self.out(F.gelu(self.fc(x)))
 
 
 class SwiGLU(nn.Module):
@@ -380,8 +367,8 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(hidden, d, bias=False)
 
     def forward(self, x, ctx=None):
-        a, b = linear(self.w13, x, ctx).chunk(2, dim=-1)
-        return linear(self.w2, F.silu(a) * b, ctx)
+        a, b = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(a) * b)
 
 
 class FeedForward2(nn.Module):
@@ -566,7 +553,7 @@ class LanguageModel(nn.Module):
                 h = self.backbone(F.pad(window, (0, n - length)), Ctx())[:, length - 1]
             else:
                 h = self.backbone(window[:, length - new:], Ctx(pos=length - new, cache=cache))[:, -1]
-            return linear(self.lm_head, h, Ctx(cache=cache)).float()
+            return self.lm_head(h).float()
 
         window = idx[:, -n:]
         logits = next_logits(window, window.shape[1])

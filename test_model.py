@@ -1875,6 +1875,7 @@ def test_bench_all_prints_tables_writes_json_and_plot(tmp_path, capsys):
 
 def test_bench_bad_input_is_one_line_error():
     assert 'n_ctx' in bench_error(['throughput', '--n_ctx=abc'])
+    assert 'comma list only in generate' in bench_error(['throughput', '--batch_size=1,16'])
     assert 'invalid choice' in bench_error(['sideways'])
     assert 'arch' in bench_error(['throughput', '--archs=rnn'])
     assert 'methods' in bench_error(['generate', *BENCH_TINY, '--prompt=2', '--new_tokens=2', '--methods=beam'])
