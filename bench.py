@@ -7,7 +7,8 @@ MODE is one of
   throughput  full training steps (forward, backward, AdamW): ms/step, tokens/s and MFU
   memory      peak memory of one forward + backward, no lm head (paper Tables S9/S10: --batch_size=16
               --n_heads=32 are its settings; the defaults, batch 1 and 4 heads, fit a small CPU)
-  generate    decoding tokens/s: the paper's fixed-window generation vs cached decoding
+  generate    decoding tokens/s: the paper's fixed-window generation vs cached decoding, at batch 1
+              and 16, beside the memory-bandwidth ceiling (tokens/s if every step only streamed its bytes)
   represent   input recovery from a layer's activations by gradient descent (paper §3.1-3.3)
   all         every mode at its default sizes, printed as markdown tables
 
@@ -27,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from model import Backbone, Ctx, ModelConfig, build_model, flops_per_token, measure_peak_flops
+from model import Backbone, Ctx, ModelConfig, build_model, decode_bytes, flops_per_token, measure_peak_flops
 from train import CHOICES, autocast as amp, check_output_file, choose_dtype, resolve_device
 
 MODES = ('throughput', 'memory', 'generate', 'represent', 'all')
@@ -36,7 +37,7 @@ MODES = ('throughput', 'memory', 'generate', 'represent', 'all')
 DEFAULTS = {
     'throughput': dict(archs='mixer,llama,gpt', d_model=256, n_layers='4', n_ctx='128,256,512', batch_size=4),
     'memory': dict(archs='mixer,llama', d_model=1024, n_layers='4,8', n_ctx='512,1024,2048', batch_size=1),
-    'generate': dict(archs='mixer,llama,gpt', d_model=256, n_layers='4', n_ctx='256', batch_size=1,
+    'generate': dict(archs='mixer,llama,gpt', d_model=256, n_layers='4', n_ctx='256', batch_size='1,16',
                      prompt=128, new_tokens=64),
     'represent': dict(archs='mixer,llama', d_model=256, n_layers='4', n_ctx='32', batch_size=2),
 }
@@ -61,7 +62,7 @@ def parse_args(argv):
     p.add_argument('--d_model', type=int)
     p.add_argument('--n_layers', help="comma list")
     p.add_argument('--n_ctx', help="comma list")
-    p.add_argument('--batch_size', type=int)
+    p.add_argument('--batch_size', help="rows per step; a comma list in generate (default 1,16)")
     p.add_argument('--n_heads', type=int, default=0,
                    help="attention heads of llama/gpt/hybrid/elita (default 0: ModelConfig's, 4); mixers keep one")
     p.add_argument('--vocab_size', type=int, default=4096, help="the paper's TinyStories tokenizer size")
@@ -69,7 +70,7 @@ def parse_args(argv):
     p.add_argument('--device', default='auto', help="auto (cuda if present), cpu or cuda[:i]")
     p.add_argument('--dtype', default='auto', choices=CHOICES['dtype'],
                    help="autocast dtype (auto: bf16 on CUDA and on CPUs with native bf16, else float32); "
-                        "represent always runs in float32")
+                        "generate casts the weights to it instead; represent always runs in float32")
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--json', help="write every row to this JSON file")
     p.add_argument('--plot', help="draw throughput/memory/generation vs n_ctx to this .png (needs matplotlib)")
@@ -92,7 +93,7 @@ def parse_args(argv):
     g.add_argument('--lr', type=float, default=0.05, help="initial step size; decays linearly to lr/10")
     g.add_argument('--arch', help=argparse.SUPPRESS)  # memory_cell: the one cell to run
     args = p.parse_args(argv)
-    for key, low in dict(d_model=1, batch_size=1, vocab_size=2, warmup=0, repeats=1, mem_limit=0, prompt=1,
+    for key, low in dict(d_model=1, vocab_size=2, warmup=0, repeats=1, mem_limit=0, prompt=1,
                          new_tokens=1, steps=1).items():
         if getattr(args, key) is not None and getattr(args, key) < low:
             fail(f"--{key}={getattr(args, key)} is out of range: use a value >= {low}")
@@ -110,11 +111,17 @@ def settings(args, mode):
     for k, v in dict(DEFAULTS[mode], **(FULL[mode] if args.full else {})).items():
         s[k] = v if s[k] is None else s[k]
     s['archs'] = s['archs'].split(',')
-    for key in ('n_layers', 'n_ctx'):
+    for key in ('n_layers', 'n_ctx', 'batch_size'):
         try:
             s[key] = [int(v) for v in str(s[key]).split(',')]
         except ValueError:
             fail(f"--{key}={s[key]} must be a comma list of integers, e.g. --{key}=256,512")
+        if min(s[key]) < 1:
+            fail(f"--{key}={','.join(map(str, s[key]))} is out of range: use values >= 1")
+    if mode != 'generate':
+        if len(s['batch_size']) != 1:
+            fail(f"--batch_size takes one integer in {mode}; a comma list only in generate")
+        s['batch_size'] = s['batch_size'][0]
     try:
         s['dev'] = resolve_device(s['device'])
         s['torch_dtype'], why = choose_dtype(s['dev'], s['dtype'])
@@ -282,14 +289,33 @@ def time_decoding(model, prompt, new_tokens, method, s):
     stamps = []
     sync(s.dev)
     t0 = time.perf_counter()
-    with autocast(s):
-        for _ in model.stream(prompt, new_tokens, temperature=0, method=method):
-            sync(s.dev)
-            stamps.append(time.perf_counter())
+    for _ in model.stream(prompt, new_tokens, temperature=0, method=method):
+        sync(s.dev)
+        stamps.append(time.perf_counter())
     return stamps[0] - t0, (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
 
 
+def measure_read_bandwidth(device, mib=64, budget=0.5):
+    """Bytes/s of a streaming read: sums of a mib-MiB fp32 buffer (larger than the 32 MB L3 of
+    the CPU this was written on) with torch's threads, for `budget` seconds after one warm-up.
+    Bytes over wall time, as decoding tokens/s is: on a shared machine both see the same load."""
+    a = torch.ones(mib * 2**20 // 4, device=device)
+    a.sum()
+    sync(device)
+    n, t0 = 0, time.perf_counter()
+    while n < 2 or time.perf_counter() < t0 + budget:
+        a.sum()
+        sync(device)
+        n += 1
+    return n * a.numel() * 4 / (time.perf_counter() - t0)
+
+
 def bench_generate(s):
+    """Greedy decoding tokens/s per arch, method and batch size, each next to a bandwidth read
+    taken just before it: ceiling = batch x bandwidth / bytes a step reads (model.decode_bytes,
+    averaged over the decoded positions). The weights are cast to the dtype, not autocast: a
+    step is bound by reading them. window runs at the first batch size only (it is compute-bound:
+    a batch of B costs B full forwards)."""
     methods = s.methods.split(',')
     if set(methods) - {'window', 'cache'}:
         fail(f"--methods={s.methods}: use window, cache or window,cache")
@@ -299,16 +325,24 @@ def bench_generate(s):
             fail(f"--prompt={s.prompt} plus --new_tokens={s.new_tokens} exceeds n_ctx={cfg.n_ctx}: "
                  f"shorten them or raise --n_ctx")
         torch.manual_seed(s.seed)
-        model = build_model(cfg).to(s.dev).eval()
-        prompt = random_tokens(cfg, s.batch_size, s.prompt, gen).to(s.dev)
-        for method in methods:
-            time_decoding(model, prompt, 2, method, s)  # warm-up
-            prefill, per_token = time_decoding(model, prompt, s.new_tokens, method, s)
-            rows.append(dict(mode='generate', arch=cfg.arch, method=method, d_model=cfg.d_model,
-                             n_layers=cfg.n_layers, n_ctx=cfg.n_ctx, prompt=s.prompt, new_tokens=s.new_tokens,
-                             batch_size=s.batch_size, dtype=s.dtype, prefill_ms=1e3 * prefill,
-                             tokens_per_s=s.batch_size / per_token))
-            print(f"  {cfg.arch} {method}: {s.batch_size / per_token:.1f} tokens/s", flush=True)
+        model = build_model(cfg).to(s.dev, s.torch_dtype).eval()
+        for batch in s.batch_size:
+            prompt = random_tokens(cfg, batch, s.prompt, gen).to(s.dev)
+            for method in methods if batch == s.batch_size[0] else [m for m in methods if m == 'cache']:
+                time_decoding(model, prompt, 2, method, s)  # warm-up
+                bandwidth = measure_read_bandwidth(s.dev)
+                prefill, per_token = time_decoding(model, prompt, s.new_tokens, method, s)
+                positions = range(s.prompt, s.prompt + s.new_tokens - 1)  # those of the timed steps
+                step_bytes = statistics.mean(decode_bytes(model, p, batch, method == 'cache') for p in positions)
+                tps, ceiling = batch / per_token, batch * bandwidth / step_bytes
+                rows.append(dict(mode='generate', arch=cfg.arch, method=method, d_model=cfg.d_model,
+                                 n_layers=cfg.n_layers, n_ctx=cfg.n_ctx, prompt=s.prompt, new_tokens=s.new_tokens,
+                                 batch_size=batch, dtype=s.dtype, prefill_ms=1e3 * prefill, tokens_per_s=tps,
+                                 mb_per_step=step_bytes / 1e6, gb_per_s=bandwidth / 1e9,
+                                 ceiling_tokens_per_s=ceiling, fraction=tps / ceiling))
+                print(f"  {cfg.arch} {method} batch {batch}: {tps:.1f} tokens/s, ceiling {ceiling:.0f} "
+                      f"({step_bytes / 1e6:.1f} MB/step at {bandwidth / 1e9:.1f} GB/s): {tps / ceiling:.0%}",
+                      flush=True)
     return rows
 
 
@@ -486,9 +520,11 @@ def ratios(rows):
 
     def compare(what, a, b, key):
         for r in pick(*a):
-            for o in pick(*b, n_ctx=r['n_ctx'], n_layers=r['n_layers']):
+            for o in pick(*b, n_ctx=r['n_ctx'], n_layers=r['n_layers'], batch_size=r['batch_size']):
                 if r[key] and o[key]:
-                    lines.append(f"{what} at n_layers={r['n_layers']} n_ctx={r['n_ctx']}: {r[key] / o[key]:.2f}x")
+                    batch = f" batch={r['batch_size']}" if r['mode'] == 'generate' else ''
+                    lines.append(f"{what} at n_layers={r['n_layers']} n_ctx={r['n_ctx']}{batch}: "
+                                 f"{r[key] / o[key]:.2f}x")
 
     for other in ('llama', 'gpt'):
         compare(f"throughput mixer/{other}", ('throughput', 'mixer'), ('throughput', other), 'tokens_per_s')
@@ -506,8 +542,8 @@ def report(mode, rows):
     if mode == 'throughput':
         cols = ['arch', 'n_ctx', 'd_model', 'n_layers', 'batch_size', 'dtype', 'ms_per_step', 'tokens_per_s', 'mfu']
     elif mode == 'generate':
-        cols = ['arch', 'method', 'n_ctx', 'd_model', 'n_layers', 'prompt', 'new_tokens', 'dtype', 'prefill_ms',
-                'tokens_per_s']
+        cols = ['arch', 'method', 'batch_size', 'n_ctx', 'd_model', 'n_layers', 'prompt', 'new_tokens', 'dtype',
+                'prefill_ms', 'mb_per_step', 'gb_per_s', 'tokens_per_s', 'ceiling_tokens_per_s', 'fraction']
     elif mode == 'represent':
         cols = ['arch', 'd_model', 'n_layers', 'n_ctx', 'layer', 'positions', 'hamming', 'loss', 'epsilon',
                 'converged']

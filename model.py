@@ -117,6 +117,14 @@ def allowed_positions(direction, rows, cols, row0, device):
     return ones
 
 
+def split_heads(x, heads):  # (B, T, H * c) -> (B, H, T, c), a view (einops costs ~20 us a call)
+    return x.reshape(*x.shape[:-1], heads, -1).transpose(1, 2)
+
+
+def merge_heads(x):  # (B, H, T, c) -> (B, T, H * c)
+    return x.transpose(1, 2).flatten(2)
+
+
 # ----------------------------------------------------------------------------- masked mixing
 
 class Mixing(nn.Module):
@@ -180,6 +188,9 @@ class Mixing(nn.Module):
             if buf is None or p0 == 0:
                 buf = x.new_zeros(x.shape[0], self.heads, self.n_in, self.channels)
                 ctx.cache[self] = buf
+            if t_in == t_new == 1 and self.kernel == 1 and self.weight.shape[0] == 1 and p0 < self.n_out \
+                    and self.direction == 'causal':
+                return self.step(x, p0, buf)
             buf[:, :, p0:p0 + t_in] = x
             x = buf[:, :, :p0 + t_in]
         elif p0 != 0:
@@ -198,6 +209,14 @@ class Mixing(nn.Module):
                 y = rearrange(y, 'b (h r) c -> b h r c', h=self.heads)
             ys.append(y + b[:, p0:p0 + rows])
         return ys[0] if len(ys) == 1 else sum(F.gelu(y) for y in ys)  # flat: no nonlinearity
+
+    def step(self, x, p0, buf):
+        """One decoding step, x (B, H, 1, c) at position p0 < n_in, n_out (kernel 1, one mixing): row p0
+        reads the cached inputs s <= p0, all of which the causal mask allows, so nothing is masked."""
+        buf[:, :, p0] = x[:, :, 0]
+        w = self.weight[0, :, 0, p0:p0 + 1, :p0 + 1]               # (H, 1, p0 + 1)
+        w = w.softmax(dim=-1) if self.softmax else w
+        return torch.matmul(w, buf[:, :, :p0 + 1]) + self.bias[0, :, p0:p0 + 1]  # (B, H, 1, c)
 
 
 class TokenMixing(nn.Module):
@@ -220,12 +239,12 @@ class TokenMixing(nn.Module):
             self.mix, self.mix2 = Mixing(n, n, **kw), None
 
     def forward(self, x, ctx):  # (B, T, d) -> (B, T, d)
-        x = rearrange(self.proj_in(x), 'b t (h c) -> b h t c', h=self.heads)
+        x = split_heads(self.proj_in(x), self.heads)               # (B, H, T, c)
         t_new = x.shape[2]
         x = self.mix(x, ctx, t_new)
         if self.mix2 is not None:  # e > 1: hidden rows >= n_ctx are never read under the mask
             x = self.mix2(F.gelu(x), ctx, t_new)
-        return self.proj_out(rearrange(x, 'b h t c -> b t (h c)'))
+        return self.proj_out(merge_heads(x))
 
 
 # ----------------------------------------------------------------------------- attention
@@ -280,7 +299,8 @@ class Attention(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
     def forward(self, x, ctx):  # (B, T, d) -> (B, T, d)
-        q, k, v = qkv = rearrange(self.qkv(x), 'b t (n h c) -> n b h t c', n=3, h=self.heads)
+        qkv = self.qkv(x).reshape(*x.shape[:-1], 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv                                                  # (B, H, T, hd) each
         if self.rope:
             q, k = self.rotate(qkv[:2], ctx.pos)
         if ctx.cache is not None:  # KV cache
@@ -292,7 +312,7 @@ class Attention(nn.Module):
             k, v = kv[0, :, :, :ctx.pos + k.shape[2]], kv[1, :, :, :ctx.pos + k.shape[2]]
         mask, is_causal = attention_mask(self.direction, ctx.pos, q.shape[2], k.shape[2], ctx.mask, x.device)
         y = attend(q, k, v, mask, is_causal)
-        return self.proj(rearrange(y, 'b h t c -> b t (h c)'))
+        return self.proj(merge_heads(y))
 
 
 class Attention2(nn.Module):
@@ -777,6 +797,30 @@ def flops_per_token(cfg):
             flops += 6 * min(ELITA_CHUNK, cfg.n_ctx) * cfg.d_model
     flops += 6 * sum(matmul_params.values())
     return flops * (2 if cfg.objective == 'mtp2' else 1)
+
+
+def decode_bytes(model, pos, batch=1, cached=True):
+    """Bytes one decoding step at window position pos must read: every weight once in its storage
+    dtype, except that embedding tables give one row per sequence and a masked mixing only its
+    row pos, plus per sequence the cache rows it reads (mixing inputs, keys and values); activations
+    and writes are not counted. cached=False (window): all parameter bytes, a loose figure for a
+    step that is compute-bound."""
+    if not cached:
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+    lm_head = getattr(model, 'lm_head', None)
+    total, counted = 0, set()
+    for mod in model.modules():
+        if isinstance(mod, Mixing):
+            size, cols = mod.weight.element_size(), min(pos + 1, mod.n_in)
+            if pos < mod.n_out:  # row pos of the weights and bias, the cached inputs it mixes
+                total += (mod.weight[..., 0, :cols].numel() + mod.heads * (1 + batch * cols * mod.channels)) * size
+            counted |= {id(mod.weight), id(mod.bias)}
+        elif isinstance(mod, Attention):  # keys and values of positions <= pos
+            total += batch * 2 * (pos + 1) * mod.qkv.in_features * mod.qkv.weight.element_size()
+        elif isinstance(mod, nn.Embedding) and (lm_head is None or mod.weight is not lm_head.weight):
+            total += batch * mod.embedding_dim * mod.weight.element_size()
+            counted.add(id(mod.weight))
+    return total + sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in counted)
 
 
 def measure_peak_flops(device='cpu', dtype=torch.float32, budget=0.25):

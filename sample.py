@@ -18,6 +18,8 @@ decodes inside that window. Both methods live in model.py (LanguageModel.stream)
 When the window is full, both keep its last n_ctx/2 tokens, re-encode them at the window start
 and continue. Transformers use their KV cache (ELiTA: its recurrent running sums) for `cache`,
 and plain full recomputation of the window for `window`.
+--num_samples=N decodes the N samples as one batch: a cached step at batch 1 is bound by reading
+the weights, so N rows cost little more than one (the same seed and N give the same samples).
 """
 import argparse
 import math
@@ -43,7 +45,8 @@ def parse_args(argv):
     p.add_argument('--ckpt', help='a checkpoint file (instead of --out_dir)')
     p.add_argument('--prompt', default='', help='text to continue, or FILE:path to read it from a file '
                    '(default empty: start a new document)')
-    p.add_argument('--num_samples', type=int, default=1, help='printed one after another, between lines of dashes')
+    p.add_argument('--num_samples', type=int, default=1, help='decoded as one batch; the first streams, the '
+                   'others print when the batch is done, between lines of dashes (default 1)')
     p.add_argument('--max_new_tokens', type=int, default=256, help='at most (default 256); a sample ends '
                    'earlier when the model ends the document')
     p.add_argument('--temperature', type=float, default=0.8, help='>= 0; 0 = greedy (default 0.8)')
@@ -117,29 +120,35 @@ def read_prompt(spec, tok, n_ctx):
     return ids
 
 
-def write_sample(model, tok, ids, args, generator):
-    """Print one sample as it is generated; returns the number of new tokens. The whole sequence
-    is decoded at each step and only the new suffix printed, so pieces that are parts of one
-    multi-byte character print once it is complete."""
-    idx = torch.tensor([ids], dtype=torch.long, device=generator.device)     # (1, T0)
+def write_samples(model, tok, ids, args, generator):
+    """Decode args.num_samples samples of the prompt as one batch (a step reads the weights once
+    for all of them); print the first as it is generated and the others when the batch is done,
+    between lines of dashes. A sample ends at its end of document, the batch when all have.
+    Returns the number of new tokens. The first sample is decoded whole at each step and only the
+    new suffix printed, so pieces that are parts of one multi-byte character print once complete."""
+    samples = [list(ids) for _ in range(args.num_samples)]
+    idx = torch.tensor(samples, dtype=torch.long, device=generator.device)     # (num_samples, T0)
+    ended = [False] * len(samples)
     shown = tok.decode(ids)
     sys.stdout.write(shown)
-    n_new = 0
     steps = model.stream(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, method=args.method, generator=generator)
-    for token, _ in steps:
-        token = int(token[0])
-        if token == tok.eos_id:  # end of document
-            break
-        ids.append(token)
-        n_new += 1
-        text = tok.decode(ids).rstrip('\ufffd')  # hold back an incomplete character
+    for tokens, _ in steps:
+        for i, token in enumerate(tokens.tolist()):
+            ended[i] = ended[i] or token == tok.eos_id
+            if not ended[i]:
+                samples[i].append(token)
+        text = tok.decode(samples[0]).rstrip('\ufffd')  # hold back an incomplete character
         if len(text) > len(shown):
             sys.stdout.write(text[len(shown):])
             sys.stdout.flush()
             shown = text
-    sys.stdout.write(tok.decode(ids)[len(shown):] + '\n')  # what was held back, if anything
-    return n_new
+        if all(ended):
+            break
+    sys.stdout.write(tok.decode(samples[0])[len(shown):] + '\n')  # what was held back, if anything
+    for sample in samples[1:]:
+        sys.stdout.write('-' * 40 + '\n' + tok.decode(sample) + '\n')
+    return sum(len(sample) - len(ids) for sample in samples)
 
 
 def main(argv=None):
@@ -153,11 +162,8 @@ def main(argv=None):
         print(f'sampling from {path} ({model.cfg.arch}, method {args.method}, {device} {str(dtype)[6:]}: {why})',
               file=sys.stderr)
         generator = torch.Generator(device=device).manual_seed(args.seed)
-        t0, n_new = time.perf_counter(), 0
-        for i in range(args.num_samples):
-            if i:
-                print('-' * 40)
-            n_new += write_sample(model, tok, list(prompt), args, generator)
+        t0 = time.perf_counter()
+        n_new = write_samples(model, tok, prompt, args, generator)
     except (ValueError, FileNotFoundError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 2
@@ -170,7 +176,8 @@ def main(argv=None):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     dt = time.perf_counter() - t0
-    print(f'{n_new} tokens in {dt:.2f} s ({n_new / max(dt, 1e-9):.1f} tokens/s)', file=sys.stderr)
+    print(f'{n_new} tokens ({args.num_samples} sample{"s" * (args.num_samples > 1)} in one batch) in {dt:.2f} s '
+          f'({n_new / max(dt, 1e-9):.1f} tokens/s)', file=sys.stderr)
     return 0
 
 

@@ -675,9 +675,19 @@ def test_cli_streams_reproducible_samples(trained, capsys):
     assert out.startswith('def f1(') and len(out) > len('def f1(\n')
     assert run_cli(capsys, *argv)[1] == out                          # same seed, same sample
     assert run_cli(capsys, *argv[:-1], '--seed=4')[1] != out
-    code, two, _ = run_cli(capsys, *argv, '--num_samples=2')
+    code, two, _ = run_cli(capsys, *argv, '--num_samples=2')              # one batch of two
     first, second = two.split('\n' + '-' * 40 + '\n')
-    assert code == 0 and first + '\n' == out and second.startswith('def f1(')
+    assert code == 0 and first.startswith('def f1(') and second.startswith('def f1(') and first != second
+    assert run_cli(capsys, *argv, '--num_samples=2')[1] == two
+
+
+def test_cli_batch_of_greedy_samples_equals_one(trained, capsys):
+    """--num_samples=N decodes N rows at once; greedy, every row is the batch-1 sample."""
+    argv = [f'--out_dir={trained}', '--prompt=def f4(', '--max_new_tokens=50', '--temperature=0']
+    code, one, _ = run_cli(capsys, *argv)
+    code3, three, err = run_cli(capsys, *argv, '--num_samples=3')
+    assert code == code3 == 0 and 'in one batch' in err
+    assert three == (one + '-' * 40 + '\n') * 2 + one
 
 
 def test_cli_greedy_window_equals_cache(trained, capsys):
@@ -775,26 +785,38 @@ class ByteTokenizer:
 
 
 class ScriptedModel:
-    """Streams a fixed token sequence, whatever the sampling arguments."""
+    """Streams fixed token sequences (one per row of the batch), whatever the sampling arguments."""
 
-    def __init__(self, tokens):
-        self.tokens = tokens
+    def __init__(self, *rows):
+        self.rows = rows
 
     def stream(self, idx, max_new_tokens, **kw):
-        for t in self.tokens[:max_new_tokens]:
-            yield torch.tensor([t]), None
+        assert len(idx) == len(self.rows)
+        for step in zip(*self.rows):
+            yield torch.tensor(step), None
 
 
 def test_stream_prints_whole_characters_and_stops_at_eos(capsys):
     text = 'naïve ✓ 😀!'
     tokens = list(text.encode()) + [ByteTokenizer.eos_id, ord('x')]
     args = sample.parse_args(['--max_new_tokens=100'])
-    n = sample.write_sample(ScriptedModel(tokens), ByteTokenizer(), [], args, torch.Generator())
+    n = sample.write_samples(ScriptedModel(tokens), ByteTokenizer(), [], args, torch.Generator())
     assert capsys.readouterr().out == text + '\n'               # no U+FFFD pieces, nothing after EOS
     assert n == len(text.encode())
     # a sample that ends inside a character still prints all it decodes to
-    sample.write_sample(ScriptedModel(list(b'ok\xe2\x9c')), ByteTokenizer(), list(b'>'), args, torch.Generator())
+    sample.write_samples(ScriptedModel(list(b'ok\xe2\x9c')), ByteTokenizer(), list(b'>'), args, torch.Generator())
     assert capsys.readouterr().out == '>ok\ufffd\n'
+
+
+def test_batch_rows_end_at_their_own_eos(capsys):
+    """Each row of a --num_samples batch stops at its own end of document; the batch stops when
+    all have (the scripted rows would go on: 'x' never prints)."""
+    eos, x = ByteTokenizer.eos_id, ord('x')
+    rows = [list(b'ab') + [eos, x, x, x], list(b'abcd') + [eos, x], list(b'a') + [eos, x, x, x, x]]
+    args = sample.parse_args(['--max_new_tokens=100', '--num_samples=3'])
+    n = sample.write_samples(ScriptedModel(*rows), ByteTokenizer(), list(b'>'), args, torch.Generator())
+    assert capsys.readouterr().out == '\n'.join(['>ab', '-' * 40, '>abcd', '-' * 40, '>a', ''])
+    assert n == 2 + 4 + 1
 
 
 # =============================================================================
@@ -1894,12 +1916,39 @@ def test_bench_memory_takes_the_attention_head_count():
     assert bench.run_cell(eight, 'llama', 2, 512) - bench.run_cell(one, 'llama', 2, 512) > 60 * 2**20
 
 
-def test_bench_generate_both_methods_and_prompt_check():
-    rows = bench.main(['generate', '--archs=mixer,llama', *BENCH_TINY, '--prompt=4', '--new_tokens=6'])
-    assert [(r['arch'], r['method']) for r in rows] == [('mixer', 'window'), ('mixer', 'cache'),
-                                                        ('llama', 'window'), ('llama', 'cache')]
-    assert all(r['tokens_per_s'] > 0 and r['prefill_ms'] > 0 for r in rows)
+
+def test_bench_generate_methods_batches_and_ceiling():
+    """window at the first batch size, cache at each; every row beside its bandwidth ceiling."""
+    rows = bench.main(['generate', '--archs=mixer,llama', *BENCH_TINY, '--batch_size=1,3', '--prompt=4',
+                       '--new_tokens=6'])
+    assert [(r['arch'], r['method'], r['batch_size']) for r in rows] == [
+        ('mixer', 'window', 1), ('mixer', 'cache', 1), ('mixer', 'cache', 3),
+        ('llama', 'window', 1), ('llama', 'cache', 1), ('llama', 'cache', 3)]
+    for r in rows:
+        assert r['tokens_per_s'] > 0 and r['prefill_ms'] > 0 and r['gb_per_s'] > 0.1
+        ceiling = r['batch_size'] * r['gb_per_s'] * 1e9 / (r['mb_per_step'] * 1e6)
+        assert r['ceiling_tokens_per_s'] == pytest.approx(ceiling)
+        assert r['fraction'] == pytest.approx(r['tokens_per_s'] / ceiling)
     assert 'exceeds n_ctx=16' in bench_error(['generate', *BENCH_TINY, '--prompt=12', '--new_tokens=8'])
+
+
+def test_decode_bytes_weights_once_cache_rows_per_sequence():
+    """A cached step reads each weight once (embeddings: a row; mixings: row pos) and, per sequence,
+    the cache up to pos: one position more adds a cache row per layer (and a mixing weight)."""
+    from model import decode_bytes
+    d, L, V = 32, 2, 128
+    for arch, per_pos in (('mixer', L * (d + 1) * 4), ('llama', L * 2 * d * 4), ('gpt', L * 2 * d * 4)):
+        torch.manual_seed(0)
+        model = build_model(ModelConfig(arch=arch, vocab_size=V, n_ctx=16, d_model=d, n_layers=L))
+        params = sum(p.numel() for p in model.parameters()) * 4
+        one = decode_bytes(model, 5)
+        assert decode_bytes(model, 6) - one == per_pos
+        cache = (L * 6 * d if arch == 'mixer' else L * 2 * 6 * d) * 4
+        assert decode_bytes(model, 5, batch=3) - one == 2 * (cache + d * 4 * (2 if arch == 'gpt' else 1))
+        assert one < params == decode_bytes(model, 5, cached=False)
+        assert decode_bytes(model.to(torch.bfloat16), 5) * 2 == one           # weights and cache halve
+    tied = build_model(ModelConfig(arch='mixer', vocab_size=V, n_ctx=16, d_model=d, n_layers=L, tie_weights=True))
+    assert decode_bytes(tied, 5) > V * d * 4                                  # the lm head reads the table
 
 
 def bench_mixer(vocab=128, d=32, n_ctx=16, n_layers=2):
@@ -1992,6 +2041,7 @@ def test_bench_all_prints_tables_writes_json_and_plot(tmp_path, capsys):
 
 def test_bench_bad_input_is_one_line_error():
     assert 'n_ctx' in bench_error(['throughput', '--n_ctx=abc'])
+    assert 'comma list only in generate' in bench_error(['throughput', '--batch_size=1,16'])
     assert 'invalid choice' in bench_error(['sideways'])
     assert 'arch' in bench_error(['throughput', '--archs=rnn'])
     assert 'methods' in bench_error(['generate', *BENCH_TINY, '--prompt=2', '--new_tokens=2', '--methods=beam'])
