@@ -455,7 +455,6 @@ class Backbone(nn.Module):
             x = block(x, ctx)
         return self.norm(x)
 
-
     def tail(self, idx, mask, keep):
         """The last `keep` hidden states (B, keep, d) of a left-padded batch idx (B, n_ctx) whose first
         n_ctx - keep columns are padding in every row, without spending rows on that padding; exact.
