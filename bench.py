@@ -10,7 +10,8 @@ MODE is one of
   generate    decoding tokens/s: the paper's fixed-window generation vs cached decoding, at batch 1
               and 16, beside the memory-bandwidth ceiling (tokens/s if every step only streamed its bytes)
   represent   input recovery from a layer's activations by gradient descent (paper §3.1-3.3)
-  all         every mode at its default sizes, printed as markdown tables
+  retrieval   InfoNCE training steps on prepared pairs: full left-padded windows vs trimmed padding
+  all         every mode but retrieval at its default sizes, printed as markdown tables
 
 --archs, --n_ctx and --n_layers take comma lists and every mode runs their product.
 --full swaps the small defaults (sized for `all` in minutes on 2 CPU cores) for the paper's grid.
@@ -31,7 +32,7 @@ import torch
 from model import Backbone, Ctx, ModelConfig, build_model, decode_bytes, flops_per_token, measure_peak_flops
 from train import CHOICES, autocast as amp, check_output_file, choose_dtype, resolve_device
 
-MODES = ('throughput', 'memory', 'generate', 'represent', 'all')
+MODES = ('throughput', 'memory', 'generate', 'represent', 'retrieval', 'all')
 
 # Per-mode defaults; --full replaces them with the paper's (or the issue's headline) settings.
 DEFAULTS = {
@@ -40,12 +41,14 @@ DEFAULTS = {
     'generate': dict(archs='mixer,llama,gpt', d_model=256, n_layers='4', n_ctx='256', batch_size='1,16',
                      prompt=128, new_tokens=64),
     'represent': dict(archs='mixer,llama', d_model=256, n_layers='4', n_ctx='32', batch_size=2),
+    'retrieval': dict(archs='mixer,llama', d_model=256, n_layers='4', n_ctx='256', batch_size=32),
 }
 FULL = {
     'throughput': dict(d_model=512, n_layers='8', n_ctx='128,256,512,1024'),
     'memory': dict(n_layers='4,8,16', n_ctx='512,1024,2048,4096,8192'),
     'generate': dict(n_layers='8', n_ctx='512', prompt=256, new_tokens=256),
     'represent': dict(d_model=512, n_layers='8'),
+    'retrieval': dict(n_layers='8', n_ctx='256,512'),
 }
 
 
@@ -87,7 +90,8 @@ def parse_args(argv):
     g.add_argument('--methods', default='window,cache', help="comma list of window and/or cache")
     g = p.add_argument_group('represent')
     g.add_argument('--ckpt', help="a train.py checkpoint to probe (default: an untrained model per arch)")
-    g.add_argument('--data_dir', help="take inputs from this data dir's val.bin (default: random tokens)")
+    g.add_argument('--data_dir', help="take inputs from this data dir's val.bin (default: random tokens); "
+                   "retrieval: its pairs_train.jsonl (default data/pystdlib)")
     g.add_argument('--layer', help="comma list of layers l whose output O_l is inverted (default: the last)")
     g.add_argument('--steps', type=int, default=500, help="gradient descent steps N")
     g.add_argument('--lr', type=float, default=0.05, help="initial step size; decays linearly to lr/10")
@@ -346,6 +350,51 @@ def bench_generate(s):
     return rows
 
 
+# ----------------------------------------------------------------------------- retrieval
+
+def bench_retrieval(s):
+    """InfoNCE steps (in-batch negatives: batch_size queries + their targets, forward, backward, AdamW)
+    on the same real pairs, once with every text left-padded to n_ctx and once trimmed (TextEncoder's
+    trim: pad states shared by mixers, pad columns dropped by llama)."""
+    from prepare import Tokenizer
+    from retrieve import PairBatches, TextEncoder, info_nce
+    from train import configure_optimizer, load_meta
+    data_dir = s.data_dir or 'data/pystdlib'
+    try:
+        tok = Tokenizer.from_meta(load_meta(data_dir), data_dir)
+        pairs = PairBatches(dict(data_dir=data_dir, batch_size=s.batch_size, negatives='inbatch', seed=s.seed), tok, 0)
+    except (ValueError, FileNotFoundError) as e:
+        fail(f"retrieval needs prepared pairs ({e}): run python prepare.py or pass --data_dir")
+    rows = []
+    for cfg in grid(s):
+        pairs.n_ctx = cfg.n_ctx
+        batches = [pairs('train', i, 0) for i in range(s.warmup + s.repeats)]      # the same for both paddings
+        real = float(np.mean([float(b[1].float().mean()) for b in batches]))       # fraction of real tokens
+        for trim in (False, True):
+            torch.manual_seed(s.seed)
+            model = build_model(cfg).to(s.dev).train()
+            enc, opt = TextEncoder(model, -1, trim), configure_optimizer(model, 1e-4, 0.0, s.dev.type)
+            times = []
+            for i, (idx, mask, labels) in enumerate(batches):
+                idx, mask, labels = idx.to(s.dev), mask.to(s.dev), labels.to(s.dev)
+                sync(s.dev)
+                t0 = time.perf_counter()
+                with autocast(s):
+                    e = enc(idx, mask)                                     # (2B, d_model) queries, targets
+                info_nce(e[:len(labels)], e[len(labels):], labels).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                sync(s.dev)
+                if i >= s.warmup:
+                    times.append(time.perf_counter() - t0)
+            sec = statistics.median(times)
+            rows.append(dict(mode='retrieval', arch=cfg.arch, d_model=cfg.d_model, n_layers=cfg.n_layers,
+                             n_ctx=cfg.n_ctx, batch_size=s.batch_size, dtype=s.dtype, padding='trimmed' if enc.trim
+                             else 'full', real_tokens=real, ms_per_step=1e3 * sec))
+            print(f"  {cfg.arch} n_ctx={cfg.n_ctx} {rows[-1]['padding']}: {1e3 * sec:.0f} ms/step", flush=True)
+    return rows
+
+
 # ----------------------------------------------------------------------------- represent
 
 def embedding_backbone(model):
@@ -529,6 +578,11 @@ def ratios(rows):
     for other in ('llama', 'gpt'):
         compare(f"throughput mixer/{other}", ('throughput', 'mixer'), ('throughput', other), 'tokens_per_s')
     compare("memory llama/mixer", ('memory', 'llama'), ('memory', 'mixer'), 'mb')
+    for arch in dict.fromkeys(r['arch'] for r in rows if r['mode'] == 'retrieval'):
+        for r in pick('retrieval', arch, padding='full'):
+            for o in pick('retrieval', arch, padding='trimmed', n_ctx=r['n_ctx'], n_layers=r['n_layers']):
+                lines.append(f"retrieval {arch} step time full/trimmed at n_layers={r['n_layers']} "
+                             f"n_ctx={r['n_ctx']}: {r['ms_per_step'] / o['ms_per_step']:.2f}x")
     for arch in dict.fromkeys(r['arch'] for r in rows):
         compare(f"generate {arch} cache/window", ('generate', arch, 'cache'), ('generate', arch, 'window'),
                 'tokens_per_s')
@@ -544,6 +598,8 @@ def report(mode, rows):
     elif mode == 'generate':
         cols = ['arch', 'method', 'batch_size', 'n_ctx', 'd_model', 'n_layers', 'prompt', 'new_tokens', 'dtype',
                 'prefill_ms', 'mb_per_step', 'gb_per_s', 'tokens_per_s', 'ceiling_tokens_per_s', 'fraction']
+    elif mode == 'retrieval':
+        cols = ['arch', 'n_ctx', 'd_model', 'n_layers', 'batch_size', 'dtype', 'padding', 'real_tokens', 'ms_per_step']
     elif mode == 'represent':
         cols = ['arch', 'd_model', 'n_layers', 'n_ctx', 'layer', 'positions', 'hamming', 'loss', 'epsilon',
                 'converged']
@@ -611,9 +667,9 @@ def run(argv):
     if args.plot:
         pyplot()
     run = {'throughput': bench_throughput, 'memory': bench_memory, 'generate': bench_generate,
-           'represent': bench_represent}
+           'represent': bench_represent, 'retrieval': bench_retrieval}
     rows = []
-    for mode in (run if args.mode == 'all' else [args.mode]):
+    for mode in ([m for m in run if m != 'retrieval'] if args.mode == 'all' else [args.mode]):
         s = settings(args, mode)
         print(f"## {mode}", flush=True)
         new = run[mode](s)

@@ -105,6 +105,7 @@ class Ctx:
     pos: int = 0                              # window position of x[:, 0]
     mask: Optional[torch.Tensor] = None       # (B, T) True on real tokens (attention only)
     cache: Optional[dict] = None              # per-module decoding state, keyed by module
+    shared: Optional[dict] = None             # per-Mixing inputs of a shared pad prefix (Backbone.tail)
 
 
 def allowed_positions(direction, rows, cols, row0, device):
@@ -183,7 +184,12 @@ class Mixing(nn.Module):
         """x (B, H, T_in, c): inputs at positions [pos, pos + T_in); returns the outputs at window
         positions [pos, pos + t_new) that exist (rows past n_out, as in e < 1, are absent)."""
         p0, t_in = ctx.pos, x.shape[2]
-        if ctx.cache is not None:
+        if ctx.shared is not None:  # Backbone.tail: positions < p0 are one batch-1 pass, read by every row
+            if p0 == 0:
+                ctx.shared[self] = x
+            else:  # cat, not the cache's in-place writes: gradients flow back into the shared rows
+                x = torch.cat([ctx.shared[self].expand(x.shape[0], -1, -1, -1), x], dim=2)
+        elif ctx.cache is not None:
             buf = ctx.cache.get(self)
             if buf is None or p0 == 0:
                 buf = x.new_zeros(x.shape[0], self.heads, self.n_in, self.channels)
@@ -487,6 +493,11 @@ class Backbone(nn.Module):
         final = {'llama': lambda: nn.RMSNorm(d, eps=1e-6), 'hybrid': lambda: nn.RMSNorm(d, eps=1e-6),
                  'gmlp': lambda: nn.LayerNorm(d), 'elita': lambda: nn.LayerNorm(d)}
         self.norm = final.get(cfg.arch, nn.Identity)()  # the paper's mixer and GPT-1 have none
+        self.direction = direction
+        # tail() can skip the pad columns exactly: causal mixings (shared) or RoPE attention (dropped)
+        # ('half' zeroes absolute positions, so llama, which restarts at 0, keeps its full window)
+        self.trims = embed and ((cfg.arch == 'llama' and cfg.objective != 'half') or
+                                (cfg.arch in ('mixer', 'gmlp') and direction == 'causal'))
 
     def forward(self, x, ctx):  # idx (B, T) or embeddings (B, T, d) -> (B, T, d)
         if self.wte is not None:
@@ -512,6 +523,25 @@ class Backbone(nn.Module):
         """The blog's positional channel: the last of d_model channels holds the centred position."""
         centred = (pos - self.cfg.n_ctx // 2).to(x.dtype)[None, :, None].expand(x.shape[0], -1, 1)
         return torch.cat((x[..., :-1], centred), dim=-1)
+
+    def tail(self, idx, mask, keep):
+        """The last `keep` hidden states (B, keep, d) of a left-padded batch idx (B, n_ctx) whose first
+        n_ctx - keep columns are padding in every row, without spending rows on that padding; exact.
+        Causal mixers (mixer, gmlp): a pad-only position reads only pads, so its states are the same in
+        every row: one batch-1 pass computes them, then the real rows read them (gradients reach them
+        through every row). RoPE transformers (llama): pad keys are masked and RoPE sees only relative
+        positions, so the pad columns are dropped. GPT-1 would need its position table and its causal
+        mask offset by the cut, and the others mix pads into real rows: they run the full window."""
+        cut = idx.shape[1] - keep
+        if cut <= 0 or not self.trims or (mask is None and self.cfg.arch == 'llama'):
+            return self(idx, Ctx(mask=mask))[:, max(cut, 0):]
+        if (mask is not None and mask[:, :cut].any()) or not (idx[:, :cut] == idx[:1, :cut]).all():
+            raise ValueError(f"tail(keep={keep}): the first {cut} columns must be the same padding in every row")
+        if self.cfg.arch == 'llama':
+            return self(idx[:, cut:], Ctx(mask=None if mask is None else mask[:, cut:]))
+        shared = {}
+        self(idx[:1, :cut], Ctx(shared=shared))                         # (1, cut, d): the pad prefix, once
+        return self(idx[:, cut:], Ctx(pos=cut, shared=shared))
 
 
 def check_tokens(idx, cfg, pos=0):
@@ -561,9 +591,10 @@ class LanguageModel(nn.Module):
         if cfg.tie_weights:
             self.lm_head.weight = self.backbone.wte.weight
 
-    def hidden(self, idx, mask=None):
-        """Last hidden states (B, T, d_model), the input of the lm head."""
-        return self.backbone(idx, Ctx(mask=mask))
+    def hidden(self, idx, mask=None, keep=None):
+        """Last hidden states (B, T, d_model), the input of the lm head; keep: only the last `keep`
+        positions of a left-padded batch, its pad columns shared or dropped (Backbone.tail)."""
+        return self.backbone(idx, Ctx(mask=mask)) if keep is None else self.backbone.tail(idx, mask, keep)
 
     def forward(self, idx, targets=None, mask=None):
         logits = self.lm_head(self.hidden(idx, mask))
@@ -695,9 +726,9 @@ class Autoencoder(nn.Module):
         if cfg.tie_weights:
             self.lm_head.weight = self.encoder.wte.weight
 
-    def hidden(self, idx, mask=None):
+    def hidden(self, idx, mask=None, keep=None):
         """Encoder hidden states (B, T, d_model); its last position is the sequence embedding."""
-        return self.encoder(idx, Ctx(mask=mask))
+        return self.encoder(idx, Ctx(mask=mask)) if keep is None else self.encoder.tail(idx, mask, keep)
 
     def encode(self, idx, mask=None):  # (B, T) -> (B, d_model)
         return self.hidden(idx, mask)[:, -1]

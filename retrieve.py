@@ -2,7 +2,7 @@
 retrieve.py: retrieval with masked mixers and transformers (paper §6), in one file.
 
     python retrieve.py train    --init_from=out/ckpt.pt --data_dir=data/pystdlib --out_dir=out-retrieval
-    python retrieve.py eval     --ckpt=out-retrieval/ckpt.pt --pairs=data/pystdlib/pairs_val.jsonl
+    python retrieve.py eval     --ckpt=out-retrieval/ckpt.pt --pairs=data/pystdlib/pairs_val.jsonl [--peer=all-MiniLM-L6-v2]
     python retrieve.py indirect --ckpt=out/ckpt.pt --data_dir=data/pystdlib --c=32,128
     python retrieve.py index    --ckpt=out-retrieval/ckpt.pt --docs=src/ notes.txt --index=my-index
     python retrieve.py search   --index=my-index --query="parse an ISO date" --k=5
@@ -12,7 +12,8 @@ Subcommands
   eval      top-1 accuracy for many n (Tables 1, 3, 4), plus MRR@10 and recall@1/5/10 against all
             targets. n counts as Table 1's caption does: one query, its matching target and n-2
             non-matching targets, so n-1 candidates (chance 1/(n-1)). `indirect`'s c and the
-            paper negatives of `train` count the same way.
+            paper negatives of `train` count the same way. --peer scores a sentence-transformers
+            model on the same pairs, table for table.
   indirect  a RetrievalMixer trained on the frozen model's embeddings (§6.2, Algorithm 1)
   index     embed your documents, in n_ctx-token chunks, into an index directory
   search    the best chunks of an index for a query
@@ -21,7 +22,10 @@ Embedding of a text (every subcommand). The text is tokenized with the checkpoin
 bos first; a text longer than n_ctx tokens keeps its first n_ctx (the start of a target carries
 its topic; indexed documents are chunked instead of truncated). The tokens are left-padded to
 exactly n_ctx, because a masked mixer has a weight per position and the paper pretrains and
-retrieves with left padding (§6.1); transformers get the pad mask, mixers ignore it. The
+retrieves with left padding (§6.1); transformers get the pad mask, mixers ignore it. Texts are
+grouped by length and each group skips its pad columns exactly (TextEncoder's trim): a causal
+mixer's all-pad positions are the same in every row, so they are computed once and shared; llama
+drops them (masked keys, relative positions). The
 embedding is the last hidden state at window position `embed_pos`, L2-normalised, so that a dot
 product is the cosine of eq. 9. With left padding, embed_pos=-1 is the last real token of every
 text. The paper took the second-to-last (-2) because its models shifted the targets inside the
@@ -119,19 +123,53 @@ def left_pad(seqs, n_ctx, pad_id):
     return idx, mask
 
 
+def length_groups(lengths, overhead):
+    """Rows sorted by length, cut into runs that minimise sum(rows x longest + overhead) (dynamic
+    programming): a batch of short queries and long targets is not padded to its longest text.
+    Returns the order (B,) and the (start, end) of each run in it."""
+    order = torch.argsort(lengths)
+    l = lengths[order].double().numpy()
+    best, cut = np.zeros(len(l) + 1), np.zeros(len(l) + 1, dtype=np.int64)
+    for j in range(1, len(l) + 1):       # best[j]: rows [0, j) grouped; the last run starts at cut[j]
+        cost = best[:j] + (j - np.arange(j)) * l[j - 1] + overhead
+        cut[j] = int(cost.argmin())
+        best[j] = cost[cut[j]]
+    runs, j = [], len(l)
+    while j:
+        runs.append((int(cut[j]), j))
+        j = cut[j]
+    return order, runs[::-1]
+
+
 class TextEncoder(nn.Module):
     """A language model seen as a text encoder: forward gives unit embeddings (B, d_model), the last
     hidden state at window position embed_pos. Its state_dict is the model's own, so checkpoints
-    of retrieval training stay ordinary model checkpoints (model_from_checkpoint rebuilds them)."""
+    of retrieval training stay ordinary model checkpoints (model_from_checkpoint rebuilds them).
+    trim: rows are grouped by length and each group runs only its own real columns (model.hidden's
+    keep: the pad states shared in masked mixers, the pad columns dropped in llama), the same
+    embeddings as the full window for a fraction of the compute on short texts."""
 
-    def __init__(self, model, embed_pos=-1):
+    def __init__(self, model, embed_pos=-1, trim=True):
         super().__init__()
         self.model, self.embed_pos = model, embed_pos
+        backbone = getattr(model, 'backbone', getattr(model, 'encoder', None))
+        self.trim = trim and getattr(backbone, 'trims', False)
         if not -model.cfg.n_ctx <= embed_pos < model.cfg.n_ctx:
             raise ValueError(f"embed_pos={embed_pos} is outside the n_ctx={model.cfg.n_ctx} window: use -1 or -2")
 
     def forward(self, idx, mask):  # (B, n_ctx) left-padded tokens -> (B, d_model) unit rows
-        h = self.model.hidden(idx, mask)[:, self.embed_pos]
+        if not self.trim:
+            return F.normalize(self.model.hidden(idx, mask)[:, self.embed_pos].float(), dim=-1)
+        n = idx.shape[1]
+        at = self.embed_pos % n                                   # the embedding's window position
+        order, runs = length_groups(mask.sum(1).clamp(min=n - at).cpu(), overhead=n)
+        order = order.to(idx.device)
+        h = []
+        for a, b in runs:
+            rows = order[a:b]
+            keep = max(n - at, int(mask[rows].sum(1).max()))       # real columns of the group's longest
+            h.append(self.model.hidden(idx[rows], mask[rows], keep)[:, at - n])   # (b - a, d_model)
+        h = torch.cat(h)[torch.argsort(order)]                    # back to the batch's order
         return F.normalize(h.float(), dim=-1)
 
     def state_dict(self, *args, **kwargs):
@@ -207,12 +245,16 @@ def sample_candidates(match, n_pool, k, generator=None):
     return cands, labels
 
 
-def info_nce(q, t, labels, tau=TAU):
+def info_nce(q, t, labels, tau=TAU, symmetric=False):
     """Eq. 7 with f = exp(cos / tau) (eq. 8), averaged over queries. q (B, d) and t unit rows;
     t (M, d) is shared by all queries (in-batch negatives) or (B, k, d) per query (paper groups);
-    labels (B,) index each query's match among its candidates."""
+    labels (B,) index each query's match among its candidates. symmetric (in-batch only, as in
+    CLIP): the mean with the reverse direction, each matching target picking its query among the B."""
     logits = q @ t.T if t.dim() == 2 else torch.einsum('bd,bkd->bk', q, t)
-    return F.cross_entropy(logits / tau, labels)
+    loss = F.cross_entropy(logits / tau, labels)
+    if symmetric:
+        loss = (loss + F.cross_entropy((t[labels] @ q.T) / tau, torch.arange(len(labels), device=labels.device))) / 2
+    return loss
 
 
 # ----------------------------------------------------------------------------- InfoNCE training
@@ -223,6 +265,7 @@ TRAIN_DEFAULTS = dict(
     data_dir='data/pystdlib',  # holds pairs_train.jsonl and pairs_val.jsonl
     out_dir='out-retrieval',
     negatives='inbatch',    # inbatch: B x B logits | paper: each query vs its target + 30 others (eq. 7)
+    symmetric=False,        # inbatch: also each target vs the B queries (CLIP's two-way loss)
     embed_pos='',           # '' = the checkpoint's (retrieval checkpoints record theirs), else -1
     batch_size=32,          # queries per micro-batch: 2 x 32 sequences (inbatch), 32 x 32 (paper)
     lr=1e-4,                # the paper's retrieval learning rate
@@ -294,6 +337,8 @@ def freeze_unused(encoder, n_ctx):
 def cmd_train(argv):
     """InfoNCE fine-tuning (paper §6.3) through train.py's loop: DDP, AMP, budgets, exact resume."""
     cfg = train.parse_args(argv, TRAIN_DEFAULTS, TRAIN_CHOICES)
+    if cfg['symmetric'] and cfg['negatives'] != 'inbatch':
+        raise ValueError("--symmetric=True needs --negatives=inbatch (a paper group has one query)")
     resume = None
     if cfg['init_from'] == 'resume':
         resume = src = train.load_checkpoint(os.path.join(cfg['out_dir'], 'ckpt.pt'))
@@ -325,7 +370,9 @@ def cmd_train(argv):
             idx, mask, labels = batch
             e = model(idx, mask)                                   # (M, d_model): queries, then targets
             q, t = e[:len(labels)], e[len(labels):]
-            return info_nce(q, t if cfg['negatives'] == 'inbatch' else t.view(len(labels), -1, t.shape[-1]), labels)
+            if cfg['negatives'] == 'inbatch':
+                return info_nce(q, t, labels, symmetric=cfg['symmetric'])
+            return info_nce(q, t.view(len(labels), -1, t.shape[-1]), labels)
 
         extra = {'kind': 'retrieval', 'model_config': src['model_config'], 'data': src['data'],
                  'embed_pos': embed_pos, 'init_from': init_from, 'pairs_dir': os.path.abspath(cfg['data_dir'])}
@@ -389,23 +436,47 @@ def print_metrics(m):
           f"recall@1 {r['1']:.1f}%, recall@5 {r['5']:.1f}%, recall@10 {r['10']:.1f}%")
 
 
+def peer_embedder(name, device, batch_size):
+    """A sentence-transformers model (a hub name or a local folder) as texts -> unit rows (N, d):
+    a known retriever scored on the same pairs. The package is imported only here."""
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError:
+        raise ValueError("--peer needs sentence-transformers: pip install sentence-transformers "
+                         "(README, Retrieval, has an offline install of all-MiniLM-L6-v2)") from None
+    try:
+        model = SentenceTransformer(name, device=str(device))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--peer={name}: sentence-transformers could not load it ({str(e).splitlines()[0]})") from None
+    return lambda texts: F.normalize(torch.as_tensor(np.asarray(model.encode(
+        texts, batch_size=batch_size, convert_to_numpy=True)), dtype=torch.float32), dim=-1)
+
+
 def cmd_eval(args):
+    if not (args.ckpt or args.peer):
+        raise ValueError("nothing to evaluate: pass --ckpt=CKPT and/or --peer=NAME_OR_PATH")
     queries, targets = read_pairs(args.pairs)
     if args.json:
         train.check_output_file(args.json, 'json')
-    ns = int_list(args.n, 'n')
-    embedder = Embedder(args.ckpt, args.device, args.dtype, args.batch_size, args.embed_pos)
+    ns, device, models, results = int_list(args.n, 'n'), train.resolve_device(args.device), {}, {}
+    if args.ckpt:
+        embedder = Embedder(args.ckpt, device, args.dtype, args.batch_size, args.embed_pos)
+        models[args.ckpt] = embedder, f"embed_pos {embedder.encoder.embed_pos}, {str(embedder.dtype)[6:]}"
+    if args.peer:
+        models[args.peer] = peer_embedder(args.peer, device, args.batch_size), "sentence-transformers peer"
     ns = cap_ns(ns, len(queries))
-    t0 = time.perf_counter()
-    q, t = embedder(queries), embedder(targets)
-    t1 = time.perf_counter()
-    m = retrieval_metrics(q, t, ns, args.seed)
-    t2 = time.perf_counter()
-    print(f"{args.ckpt}: {len(queries)} pairs from {args.pairs}, embed_pos {embedder.encoder.embed_pos}, {str(embedder.dtype)[6:]}; "
-          f"embedding {t1 - t0:.1f}s ({2 * len(queries) / (t1 - t0):.0f} seq/s), ranking {t2 - t1:.2f}s")
-    print_metrics(m)
-    if args.json:
-        write_json(args.json, m)
+    for name, (embedder, how) in models.items():
+        t0 = time.perf_counter()
+        q, t = embedder(queries), embedder(targets)
+        t1 = time.perf_counter()
+        m = results[name] = retrieval_metrics(q, t, ns, args.seed)
+        t2 = time.perf_counter()
+        print(f"{name}: {len(queries)} pairs from {args.pairs}, {how}; "
+              f"embedding {t1 - t0:.1f}s ({2 * len(queries) / (t1 - t0):.0f} seq/s), ranking {t2 - t1:.2f}s")
+        print_metrics(m)
+    if args.json:  # one model: its metrics; with --peer: {"ckpt": ..., "peer": ...}
+        write_json(args.json, results[args.ckpt] if not args.peer else
+                   {k: results[v] for k, v in (('ckpt', args.ckpt), ('peer', args.peer)) if v})
     return 0
 
 
@@ -671,7 +742,9 @@ def parse(p, argv):
 def parse_eval(argv):
     p = embedding_parser('eval', "Top-1 retrieval accuracy for Table 1's n (n-1 candidates per query; "
                                  "paper Tables 1/3/4), MRR@10, recall@k.")
-    p.add_argument('--ckpt', required=True, help="an 'lm' or 'retrieval' checkpoint")
+    p.add_argument('--ckpt', help="an 'lm' or 'retrieval' checkpoint")
+    p.add_argument('--peer', help="also (or only) a sentence-transformers model, by name or folder, on the "
+                                  "same pairs (e.g. all-MiniLM-L6-v2; needs pip install sentence-transformers)")
     p.add_argument('--pairs', required=True, help='a pairs JSONL file ({"query": ..., "target": ...} per line)')
     p.add_argument('--n', default=','.join(map(str, DEFAULT_NS)),
                    help="Table 1's n: one query, its target and n-2 non-matching targets, i.e. n-1 candidates "

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.parse
 
 import numpy as np
@@ -1623,6 +1624,67 @@ def test_info_nce_paper_groups_is_eq7():
     assert retrieve.info_nce(q, cands, labels, tau).item() == pytest.approx(np.mean(by_hand), rel=1e-9)
 
 
+def test_symmetric_info_nce_adds_the_target_to_query_direction():
+    q, t, tau = unit(5, 16, seed=1), unit(5, 16, seed=2), 0.02
+    both = retrieve.info_nce(q, t, torch.arange(5), tau, symmetric=True)
+    assert both.item() == pytest.approx((retrieve.info_nce(q, t, torch.arange(5), tau).item() +
+                                         retrieve.info_nce(t, q, torch.arange(5), tau).item()) / 2, rel=1e-12)
+    shard = torch.tensor([2, 3])                   # a row shard: its queries vs all targets, its targets vs its queries
+    expect = (retrieve.info_nce(q[shard], t, shard, tau) + retrieve.info_nce(t[shard], q[shard], torch.arange(2), tau)) / 2
+    assert retrieve.info_nce(q[shard], t, shard, tau, symmetric=True).item() == pytest.approx(expect.item(), rel=1e-12)
+
+
+TRIM = [dict(arch='mixer'), dict(arch='mixer', n_heads=2, kernel=3, n_convs=2), dict(arch='mixer', expansion=1.5),
+        dict(arch='mixer', expansion=0.5), dict(arch='mixer', softmax=True, pos_emb=True), dict(arch='gmlp'),
+        dict(arch='llama'), dict(arch='mixer', objective='autoencoder'), dict(arch='llama', objective='autoencoder'),
+        dict(arch='mixer', objective='half', n_layers=2), dict(arch='llama', objective='half'),
+        dict(arch='gpt'), dict(arch='hybrid'), dict(arch='elita'), dict(arch='mixer', causal=False)]
+
+
+@pytest.mark.parametrize('variant', TRIM, ids=lambda v: '-'.join(f'{k}={x}' for k, x in v.items()))
+@pytest.mark.parametrize('embed_pos', [-1, -2])
+def test_trimmed_padding_equals_the_full_window(variant, embed_pos):
+    """TextEncoder's trim (shared pad states for causal mixers, dropped pad columns for llama) gives the
+    full window's embeddings and InfoNCE gradients, while running fewer rows where it applies."""
+    n = 24
+    model = make(ModelConfig(**{**dict(vocab_size=V, n_ctx=n, d_model=D, n_layers=2), **variant}))
+    gen = torch.Generator().manual_seed(1)
+    lengths = [1, 3, 17, 5, 2, 9, 4, 12]                 # short queries, longer targets, none fills the window
+    idx, mask = retrieve.left_pad([torch.randint(4, V, (k,), generator=gen).tolist() for k in lengths], n, 3)
+    rows = []
+    first_ffn = model.encoder if variant.get('objective') == 'autoencoder' else model.backbone
+    hook = first_ffn.blocks[0].layers[-1].register_forward_hook(lambda m, i, o: rows.append(i[0].shape[:2].numel()))
+    results = {}
+    for trim in (False, True):
+        enc, rows[:] = retrieve.TextEncoder(model, embed_pos, trim), []
+        model.zero_grad()
+        e = enc(idx, mask)
+        retrieve.info_nce(e[:4], e[4:], torch.arange(4), symmetric=True).backward()
+        results[trim] = e.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None], sum(rows)
+    hook.remove()
+    (e0, g0, rows0), (e1, g1, rows1) = results[False], results[True]
+    torch.testing.assert_close(e1, e0, rtol=1e-6, atol=1e-6)       # float64 models; RoPE's tables are float32
+    assert len(g0) == len(g1)
+    scale = max(float(a.abs().max()) for a in g0)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7 * scale)
+    trims = variant['arch'] in ('mixer', 'gmlp', 'llama') and variant.get('causal', True) and \
+        not (variant['arch'] == 'llama' and variant.get('objective') == 'half')
+    assert retrieve.TextEncoder(model, embed_pos).trim == trims
+    assert rows0 == 8 * n and (rows1 < 8 * 17 if trims else rows1 == rows0), (rows0, rows1)
+
+
+def test_tail_refuses_real_tokens_in_the_dropped_columns():
+    model = make(tiny(arch='mixer'))
+    idx, mask = retrieve.left_pad([[5, 6, 7], [8] * 6], N, 3)
+    torch.testing.assert_close(model.hidden(idx, mask, keep=6), model.hidden(idx, mask)[:, -6:])
+    with pytest.raises(ValueError, match='padding in every row'):
+        model.hidden(idx, mask, keep=4)
+    idx[1, 0] = 9                                        # not the same pad id in every row
+    with pytest.raises(ValueError, match='padding in every row'):
+        model.hidden(idx, None, keep=6)
+
+
 def test_paper_sampler_never_repeats_the_match_and_places_it_uniformly():
     gen, n_pool, k, draws = torch.Generator().manual_seed(0), 50, 8, 4000
     match = torch.randint(0, n_pool, (draws,), generator=gen)
@@ -1682,6 +1744,45 @@ def test_eval_random_scores_are_one_in_n_minus_one():
         p, sd = 100 / (n - 1), 100 * math.sqrt((1 / (n - 1)) * (1 - 1 / (n - 1)) / N)
         assert abs(m['top1'][str(n)] - p) < 4 * sd, (n, m['top1'])
     assert abs(m['recall@k']['10'] - 100 * 10 / N) < 0.5
+
+
+class FakeSentenceTransformer:
+    """sentence-transformers' interface (constructor, encode) over a bag of letters: a stand-in peer."""
+
+    def __init__(self, name, device='cpu'):
+        if name == 'missing':
+            raise OSError("missing is not a local folder and not a model on the hub\nmore")
+
+    def encode(self, texts, batch_size=32, convert_to_numpy=True):
+        out = np.zeros((len(texts), 26), dtype=np.float32)
+        for i, text in enumerate(texts):
+            for ch in text.lower():
+                if 'a' <= ch <= 'z':
+                    out[i, ord(ch) - 97] += 1
+        return out
+
+
+def test_eval_peer_scores_a_sentence_transformer_on_the_same_pairs(corpus, capsys, tmp_path, monkeypatch):
+    _, data, mixer, _ = corpus
+    monkeypatch.setitem(sys.modules, 'sentence_transformers', types.SimpleNamespace(SentenceTransformer=FakeSentenceTransformer))
+    pairs = data / 'pairs_val.jsonl'
+    code, out, err = retrieve_run(['eval', f'--ckpt={mixer}', '--peer=fake-peer', f'--pairs={pairs}', '--n=8,16',
+                                   f'--json={tmp_path / "m.json"}'], capsys)
+    assert code == 0, err
+    m = json.loads((tmp_path / 'm.json').read_text())
+    queries, targets = retrieve.read_pairs(str(pairs))
+    peer = FakeSentenceTransformer('fake-peer')
+    expect = retrieve.retrieval_metrics(*(F.normalize(torch.from_numpy(peer.encode(x)), dim=-1) for x in (queries, targets)),
+                                        (8, 16), 0)
+    assert m['peer'] == expect and set(m['ckpt']) == set(expect)        # the peer's own table, by the same metric
+    assert out.count('top-1%') == 2 and 'fake-peer: 48 pairs' in out
+    code, out, err = retrieve_run(['eval', '--peer=missing', f'--pairs={pairs}', '--n=8'], capsys)
+    assert code == 2 and err.startswith('error: --peer=missing') and len(err.strip().splitlines()) == 1, err
+    monkeypatch.setitem(sys.modules, 'sentence_transformers', None)      # not installed
+    code, out, err = retrieve_run(['eval', '--peer=all-MiniLM-L6-v2', f'--pairs={pairs}'], capsys)
+    assert code == 2 and 'pip install sentence-transformers' in err
+    code, out, err = retrieve_run(['eval', f'--pairs={pairs}'], capsys)
+    assert code == 2 and '--ckpt=CKPT and/or --peer' in err
 
 
 def test_eval_caps_n_at_the_pair_count(corpus, capsys, tmp_path):
@@ -1893,6 +1994,16 @@ def test_bench_throughput_rows_and_mfu(tmp_path):
         assert 0 < r['mfu'] <= 1 and r['tokens_per_s'] > 0 and r['peak_flops'] > 1e8
         assert r['tokens_per_s'] == pytest.approx(2 * 16 / (r['ms_per_step'] / 1e3))
     assert json.loads(out.read_text()) == rows
+
+
+def test_bench_retrieval_times_full_and_trimmed_steps(corpus):
+    _, data, _, _ = corpus
+    rows = bench.main(['retrieval', '--archs=mixer,llama', *BENCH_TINY[:2], '--n_ctx=32', '--batch_size=4',
+                       '--dtype=float32', f'--data_dir={data}', '--warmup=1', '--repeats=1'])
+    assert [(r['arch'], r['padding']) for r in rows] == [('mixer', 'full'), ('mixer', 'trimmed'),
+                                                         ('llama', 'full'), ('llama', 'trimmed')]
+    assert all(r['ms_per_step'] > 0 and 0 < r['real_tokens'] < 1 for r in rows)
+    assert 'retrieval needs prepared pairs' in bench_error(['retrieval', '--data_dir=/nonexistent'])
 
 
 def test_bench_memory_grows_with_the_model_and_reports_oom(capsys):
