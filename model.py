@@ -494,10 +494,10 @@ class Backbone(nn.Module):
                  'gmlp': lambda: nn.LayerNorm(d), 'elita': lambda: nn.LayerNorm(d)}
         self.norm = final.get(cfg.arch, nn.Identity)()  # the paper's mixer and GPT-1 have none
         self.direction = direction
-        # tail() can skip the pad columns exactly: causal mixings (shared) or RoPE attention (dropped)
-        # ('half' zeroes absolute positions, so llama, which restarts at 0, keeps its full window)
-        self.trims = embed and ((cfg.arch == 'llama' and cfg.objective != 'half') or
-                                (cfg.arch in ('mixer', 'gmlp') and direction == 'causal'))
+        # tail() can skip the pad columns exactly: causal mixings (shared) or RoPE attention (dropped);
+        # 'half' blanks from half the input's length on, which a shorter pass would move
+        self.trims = embed and cfg.objective != 'half' and (
+            cfg.arch == 'llama' or (cfg.arch in ('mixer', 'gmlp') and direction == 'causal'))
 
     def forward(self, x, ctx):  # idx (B, T) or embeddings (B, T, d) -> (B, T, d)
         if self.wte is not None:

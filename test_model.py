@@ -1669,7 +1669,7 @@ def test_trimmed_padding_equals_the_full_window(variant, embed_pos):
     for a, b in zip(g0, g1):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7 * scale)
     trims = variant['arch'] in ('mixer', 'gmlp', 'llama') and variant.get('causal', True) and \
-        not (variant['arch'] == 'llama' and variant.get('objective') == 'half')
+        variant.get('objective') != 'half'   # half blanks from half the input's length: a shorter pass moves it
     assert retrieve.TextEncoder(model, embed_pos).trim == trims
     assert rows0 == 8 * n and (rows1 < 8 * 17 if trims else rows1 == rows0), (rows0, rows1)
 
