@@ -219,7 +219,7 @@ class Mixing(nn.Module):
     def step(self, x, p0, buf):
         """One decoding step, x (B, H, 1, c) at position p0 < n_in, n_out (kernel 1, one mixing): row p0
         reads the cached inputs s <= p0, all of which the causal mask allows, so nothing is masked."""
-        buf[:, :, p0] = x[:, :, 0]
+        buf[:, :, p0:p0 + 1] = x
         w = self.weight[0, :, 0, p0:p0 + 1, :p0 + 1]               # (H, 1, p0 + 1)
         w = w.softmax(dim=-1) if self.softmax else w
         return torch.matmul(w, buf[:, :, :p0 + 1]) + self.bias[0, :, p0:p0 + 1]  # (B, H, 1, c)
@@ -614,7 +614,7 @@ class LanguageModel(nn.Module):
 
     @torch.no_grad()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-               method='cache', generator=None):
+               method='cache', generator=None, compile=False):
         """Yield (token (B,), logits (B, vocab)) for each new token.
 
         method='window' is the paper's fixed-window generation (§4.2): the prompt sits at the
@@ -624,6 +624,9 @@ class LanguageModel(nn.Module):
         runs only the new position: O(n^2 d), the same numbers up to float rounding.
         When the window is full both methods slide alike: the last n_ctx/2 tokens are
         re-encoded at the window start, so they agree for any length.
+        compile=True runs the cached one-token steps through torch.compile (dynamic shapes, so one
+        graph serves every position): it removes most of a step's Python and dispatch overhead, at
+        a one-time cost of seconds to a minute on the first step (and again per new batch size).
         """
         cfg = self.cfg
         if cfg.objective == 'half' or not cfg.causal:
@@ -632,14 +635,20 @@ class LanguageModel(nn.Module):
             raise ValueError(f"method={method!r}: use 'cache' or 'window'")
         n = cfg.n_ctx
         cache = {} if method == 'cache' else None
+        step = self.decode_step
+        if compile and method == 'cache':
+            if getattr(self, '_compiled_step', None) is None:  # compiled once per model and process
+                self._compiled_step = torch.compile(self.decode_step, dynamic=True)
+            step = self._compiled_step
 
         def next_logits(window, new):  # logits after `window`, whose last `new` tokens are unseen
             length = window.shape[1]
             if cache is None:  # one full forward over the padded window (causal: filler is unseen)
                 h = self.backbone(F.pad(window, (0, n - length)), Ctx())[:, length - 1]
-            else:
-                h = self.backbone(window[:, length - new:], Ctx(pos=length - new, cache=cache))[:, -1]
-            return self.lm_head(h).float()
+                return self.lm_head(h).float()
+            if new == length:  # the prompt (or a slid window) in one pass at position 0, eager
+                return self.decode_step(window, 0, cache)
+            return step(window[:, -1:], length - 1, cache)
 
         window = idx[:, -n:]
         logits = next_logits(window, window.shape[1])
@@ -652,6 +661,11 @@ class LanguageModel(nn.Module):
                 logits = next_logits(window, window.shape[1])
             else:
                 logits = next_logits(window, 1)
+
+    def decode_step(self, tok, pos, cache):
+        """Logits (B, vocab) after tokens tok (B, T) at window positions [pos, pos + T), reading and
+        extending cache: the cached decoding step, a function of its arguments so it can be compiled."""
+        return self.lm_head(self.backbone(tok, Ctx(pos=pos, cache=cache))[:, -1]).float()
 
 
 def sample_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):

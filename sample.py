@@ -5,6 +5,7 @@ Sample text from a model trained with train.py; tokens stream to stdout as they 
     python sample.py --ckpt=out/ckpt.pt --prompt=FILE:start.py --num_samples=3 --top_k=50
     python sample.py --prompt="def main(" --temperature=0       # greedy
     python sample.py --prompt="def main(" --method=window       # the paper's generation, for comparison
+    python sample.py --prompt="def main(" --compile             # compiled cached steps (after a compile)
 
 A masked mixer has position-specific weights over a fixed window of n_ctx positions, so it
 decodes inside that window. Both methods live in model.py (LanguageModel.stream):
@@ -56,6 +57,8 @@ def parse_args(argv):
     p.add_argument('--method', choices=('cache', 'window'), default='cache',
                    help='cache (exact, O(n^2 d) per window) or window (the paper, O(n^3 d)); '
                         'for transformers, window is full recomputation without the KV cache')
+    p.add_argument('--compile', action='store_true', help='torch.compile the cached decoding step: faster '
+                   'steps after a one-time compile of seconds to a minute (see README, Sampling)')
     p.add_argument('--device', default='auto', help='auto = cuda if available, else cpu')
     p.add_argument('--dtype', choices=CHOICES['dtype'], default='auto',
                    help='dtype the weights are cast to for decoding (auto: bf16 on CUDA and on CPUs with native '
@@ -132,7 +135,7 @@ def write_samples(model, tok, ids, args, generator):
     shown = tok.decode(ids)
     sys.stdout.write(shown)
     steps = model.stream(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, method=args.method, generator=generator)
+                         top_p=args.top_p, method=args.method, generator=generator, compile=args.compile)
     for tokens, _ in steps:
         for i, token in enumerate(tokens.tolist()):
             ended[i] = ended[i] or token == tok.eos_id

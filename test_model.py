@@ -585,6 +585,25 @@ def test_cache_equals_full_forward(name):
     torch.testing.assert_close(logits, full[:, 2:-1], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize('arch', ['mixer', 'llama'])
+def test_compiled_decode_step_traces_once_for_all_positions(arch):
+    """stream(compile=True) wraps decode_step in one dynamic-shape graph that serves every position
+    (a static one would retrace per position) and decodes the same tokens and logits. The 'eager'
+    backend checks the tracing in seconds; inductor's code generation is left to bench.py --compile."""
+    from torch._dynamo.utils import counters
+    model = tiny_model(arch=arch)
+    idx = prompt(5)
+    torch._dynamo.reset()
+    counters.clear()
+    model._compiled_step = torch.compile(model.decode_step, dynamic=True, backend='eager')
+    steps = N_CTX + N_CTX // 2                                      # through a slide
+    tok_c, logit_c = decode(model, idx, steps, 'cache', compile=True)
+    tok_e, logit_e = decode(model, idx, steps, 'cache')
+    assert torch.equal(tok_c, tok_e) and torch.equal(logit_c, logit_e)
+    assert 1 <= counters['stats']['unique_graphs'] <= 2, dict(counters['stats'])  # not one per position
+    torch._dynamo.reset()
+
+
 def test_elita_recurrent_equals_parallel_across_scan_blocks():
     """ELiTA's O(1)-state recurrence equals its blockwise parallel scan over several blocks
     (n_ctx 150 > 2 x ELITA_CHUNK), prefilling a prompt that itself spans a block boundary."""
