@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from model import Backbone, Ctx, ModelConfig, build_model, decode_bytes, flops_per_token, measure_peak_flops
-from train import CHOICES, autocast as amp, check_output_file, choose_dtype, resolve_device
+from train import CHOICES, autocast, check_output_file, choose_dtype, resolve_device
 
 MODES = ('throughput', 'memory', 'generate', 'represent', 'retrieval', 'all')
 
@@ -155,10 +155,6 @@ def attention_heads(s, arch):
     return 0 if arch in ('mixer', 'gmlp') else s.n_heads
 
 
-def autocast(s):
-    return amp(s.dev, s.torch_dtype)
-
-
 def sync(dev):
     if dev.type == 'cuda':
         torch.cuda.synchronize()
@@ -176,7 +172,7 @@ def training_step_times(model, opt, x, y, s):
     for i in range(s.warmup + s.repeats):
         sync(s.dev)
         t0 = time.perf_counter()
-        with autocast(s):
+        with autocast(s.dev, s.torch_dtype):
             _, loss = model(x, y)
         loss.backward()
         opt.step()
@@ -246,7 +242,7 @@ def memory_cell(args):
                               n_layers=s.n_layers[0], n_heads=attention_heads(s, args.arch))
             backbone = Backbone(cfg).to(s.dev)
             idx = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx), device=s.dev)
-            with autocast(s):
+            with autocast(s.dev, s.torch_dtype):
                 h = backbone(idx, Ctx())                            # (B, n_ctx, d_model)
             h.float().sum().backward()
             sync(s.dev)
@@ -386,7 +382,7 @@ def bench_retrieval(s):
                 idx, mask, labels = idx.to(s.dev), mask.to(s.dev), labels.to(s.dev)
                 sync(s.dev)
                 t0 = time.perf_counter()
-                with autocast(s):
+                with autocast(s.dev, s.torch_dtype):
                     e = enc(idx, mask)                                     # (2B, d_model) queries, targets
                 info_nce(e[:len(labels)], e[len(labels):], labels).backward()
                 opt.step()
