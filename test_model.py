@@ -1380,6 +1380,7 @@ def test_auto_dtype_picks_bf16_where_it_is_native(monkeypatch):
     for has_bf16, expected in ((True, torch.bfloat16), (False, torch.float16)):     # CUDA, mocked
         monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: has_bf16)
         assert train.choose_dtype(torch.device('cuda'), 'auto')[0] == expected
+        assert train.choose_dtype(torch.device('cuda'), 'bfloat16')[0] == expected    # asked, but none: fp16
 
 
 @pytest.mark.parametrize('accum, batch, world', [(1, 16, 1), (1, 16, 2), (1, 16, 8), (4, 16, 2), (4, 8, 8),

@@ -248,6 +248,8 @@ def choose_dtype(device, requested='auto'):
         if dtype == torch.bfloat16 and device.type == 'cpu' and not cpu_bf16()[0]:
             print(f"warning: dtype=bfloat16 on a CPU without fast bf16 ({cpu_bf16()[1]}): matmuls are emulated, "
                   f"hundreds of times slower than float32; leave --dtype=auto", file=sys.stderr)
+        if dtype == torch.bfloat16 and device.type == 'cuda' and not torch.cuda.is_bf16_supported():
+            return torch.float16, "bfloat16 asked, but this GPU has none: fp16 with a GradScaler"
         return dtype, "as asked"
     if device.type == 'cuda':
         if torch.cuda.is_bf16_supported():
@@ -335,9 +337,6 @@ def setup_runtime(cfg):
         device = torch.device('cuda', local_rank if world > 1 else (device.index or 0))
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-            print("note: this GPU has no bfloat16: training in float16 with a GradScaler")
-            dtype, why = torch.float16, "no bf16 on this GPU: fp16 with a GradScaler"
     if world > 1 and not dist.is_initialized():
         dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo')
     torch.manual_seed(cfg['seed'])  # identical initial weights on every rank
