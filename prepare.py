@@ -11,9 +11,11 @@ tokenizer.model, pairs_train.jsonl and pairs_val.jsonl ({"query", "target"} per 
 has pairs, and meta.json. Files are written under .tmp names and renamed when complete; meta.json goes
 last and holds a fingerprint of the inputs and options, so an unchanged rerun does nothing.
 """
-import argparse, ast, codecs, collections, glob, hashlib, io, json, multiprocessing, os, platform, re, shutil
-import socket, sys, sysconfig, textwrap, time
+import ast, codecs, collections, difflib, glob, hashlib, io, json, math, multiprocessing, os, platform, re
+import shutil, socket, sys, sysconfig, textwrap, time
 from itertools import chain, islice
+from pathlib import Path
+from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -459,6 +461,145 @@ def encode(args, documents, total, spec, dtype, pairs):
     return counts, {'files': len(files), 'file_list_sha256': file_list, 'content_sha256': content.hexdigest()}
 
 
+# ----------------------------------------------------------------------------- command lines and files (every script)
+
+# the smallest value of each numeric key that has one (keys a script lacks are skipped); lr must be > 0
+LOWEST = dict(batch_size=1, grad_accum=1, warmup_iters=0, max_iters=0, max_time=0.0, eval_interval=1, eval_iters=1,
+              log_interval=1, min_lr=0.0, weight_decay=0.0, grad_clip=0.0, seed=0, n_ctx=2, n_layers=1, d_model=1,
+              vocab_size=0, max_docs=0, max_tokens=0)
+
+
+def parse_args(argv, defaults, choices=None, doc=None, positional=None):
+    """The one command-line syntax of every script (nanoGPT's): defaults, then each preset file and
+    --key=value in argv order, typed like the default. `positional` names the key a leading bare word
+    sets (bench.py's mode, retrieve.py's command, prepare.py's dataset); other bare words are presets.
+    --help prints doc (default: the running script's docstring) and the keys, then exits."""
+    cfg = dict(defaults)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if positional and args and not args[0].startswith('-') and not args[0].endswith('.py'):
+        cfg[positional] = args.pop(0)
+    while args:
+        arg = args.pop(0)
+        if arg in ('-h', '--help'):
+            print(doc or sys.modules['__main__'].__doc__ or '')
+            print('keys and defaults:\n' + '\n'.join(f'  --{k}={v!r}' for k, v in defaults.items()))
+            raise SystemExit(0)
+        if not arg.startswith('--'):
+            for key, value in read_preset(arg, cfg).items():
+                cfg[key] = typed(key, value, defaults, arg)
+            continue
+        key, eq, value = arg[2:].partition('=')
+        key = key.replace('-', '_')
+        if not eq:  # --key value, or a bare --flag for booleans
+            if isinstance(defaults.get(key), bool) and (not args or args[0].startswith('--')):
+                value = 'true'
+            elif args and not args[0].startswith('--'):
+                value = args.pop(0)
+            else:
+                raise ValueError(f"--{key} needs a value: write --{key}=VALUE")
+        cfg[key] = typed(key, value, defaults, 'the command line')
+    for key, allowed in (choices or {}).items():
+        if cfg[key] not in allowed:
+            raise ValueError(f"{key}={cfg[key]!r} is invalid: use one of {', '.join(allowed)}")
+    for key, low in LOWEST.items():
+        if key in cfg and not low <= cfg[key] < 2 ** 63:
+            raise ValueError(f"--{key}={cfg[key]!r} is out of range: use a value >= {low}" + " (and < 2**63)" * (cfg[key] > 0))
+    if 'lr' in cfg and not 0 < cfg['lr'] >= cfg.get('min_lr', 0):
+        raise ValueError(f"--lr={cfg['lr']!r} must be > 0 and >= --min_lr={cfg.get('min_lr')!r}")
+    return cfg
+
+
+def read_preset(path, cfg):
+    """A preset's `key = value` lines as a dict; values may use earlier keys (n_ctx * 2)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no preset file {path}: see config/ for the presets")
+    try:
+        tree = ast.parse(read_text_file(path, 'preset'), path)
+    except SyntaxError as e:
+        raise ValueError(f"{path}:{e.lineno}: {e.msg}") from None
+    scope, out = dict(cfg), {}
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # docstring
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            raise ValueError(f"{path}:{node.lineno}: presets hold only `key = value` lines")
+        try:
+            value = eval(compile(ast.Expression(node.value), path, 'eval'), {'__builtins__': {}}, scope)
+        except Exception as e:
+            raise ValueError(f"{path}:{node.lineno}: {type(e).__name__}: {e}") from None
+        scope[node.targets[0].id] = out[node.targets[0].id] = value
+    return out
+
+
+def typed(key, value, defaults, source):
+    """value (a str from the command line or a Python value from a preset) as the default's type."""
+    if key not in defaults:
+        close = difflib.get_close_matches(key, defaults, n=3)
+        hint = f"did you mean {', '.join('--' + c for c in close)}?" if close else "see --help for the keys"
+        raise ValueError(f"unknown key {key!r} in {source}: {hint}")
+    kind = type(defaults[key])
+    if isinstance(value, str) and kind is not str:
+        words = {'true': True, '1': True, 'yes': True, 'false': False, '0': False, 'no': False}
+        try:
+            value = words[value.lower()] if kind is bool else kind(value)
+        except (KeyError, ValueError):
+            raise ValueError(f"--{key}={value!r} is not a valid {kind.__name__} (default {defaults[key]!r})") from None
+    if kind is float and type(value) is int:
+        value = float(value)
+    if kind is float and type(value) is float and not math.isfinite(value):
+        raise ValueError(f"--{key}={value!r} in {source} is not a finite number")
+    if type(value) is not kind:
+        raise ValueError(f"{key}={value!r} in {source} should be a {kind.__name__} like {defaults[key]!r}")
+    return value
+
+
+def read_text_file(path, what):
+    """A UTF-8 text file's contents; a missing or non-UTF-8 file is a one-line error naming it."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{what} {path} not found")
+    data = Path(path).read_bytes()
+    try:
+        return data.decode('utf-8')
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {path} is not UTF-8 text (byte {e.start} is {data[e.start]:#04x}): save it as "
+                         f"UTF-8, e.g. iconv -f latin1 -t utf-8") from None
+
+def write_atomic(path, data):
+    """Write str, bytes or what write(f) writes to a temp file, fsync, then rename it into place:
+    a crash leaves the old file whole (every output and checkpoint goes through here)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, 'wb') as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def run_main(body, interrupted='interrupted', cleanup=None):
+    """Every script's main(): bad input prints one `error: ...` line and returns 2, Ctrl-C returns 130
+    with `interrupted` (what survives and how to go on), --help returns 0; cleanup() runs in every case."""
+    try:
+        return body() or 0
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return e.code or 0
+    except KeyboardInterrupt:
+        print(interrupted, file=sys.stderr)
+        return 130
+    finally:
+        if cleanup:
+            cleanup()
+
+
 # ----------------------------------------------------------------------------- main
 
 def up_to_date(out_dir, fingerprint):
@@ -534,7 +675,7 @@ def prepare(args):
             if args.max_docs and n_train > args.max_docs:
                 return
             yield doc
-    kind = 'train' if tok is None else 'file' if tok.endswith('.model') or os.path.isfile(tok) else 'tiktoken'
+    kind = 'train' if not tok else 'file' if tok.endswith('.model') or os.path.isfile(tok) else 'tiktoken'
     if kind == 'file' and not os.path.isfile(tok):
         raise ValueError(f'--tokenizer file {tok} does not exist')
     config = {k: getattr(args, k) for k in ('dataset', 'vocab_size', 'tokenizer', 'pairs', 'max_docs', 'max_tokens')}
@@ -592,40 +733,33 @@ def prepare(args):
           f"{time.time() - t0:.1f}s)")
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise ValueError(message)
+DEFAULTS = dict(
+    dataset='pystdlib',   # which corpus: see DATASETS (or --help)
+    out_dir='',           # '' = data/DATASET
+    vocab_size=0,         # BPE pieces to train; 0 = the dataset's (4096; fineweb-edu, finemath 8000)
+    tokenizer='',         # reuse PATH.model (sentencepiece) or a tiktoken encoding: gpt2, cl100k_base
+    input='',             # text dataset: files, folders or globs, comma-separated
+    pairs='',             # retrieval pairs: docstring (pystdlib, text) or ict (any dataset); '' = the dataset's
+    max_docs=0,           # keep the first N training documents (the paper: 2000000 stories); 0 = all
+    max_tokens=0,         # stop once the training split holds N tokens; 0 = no limit
+    hub_url=os.environ.get('HF_ENDPOINT', 'https://huggingface.co').rstrip('/'),  # Hugging Face hub endpoint
+    download_dir=os.path.join('data', 'downloads'),  # hub files; put them here yourself for an offline run
+)
 
 
-def parse_args(argv):
-    datasets = '\n'.join(f'  {name:<22}{about}' for name, (about, *_) in DATASETS.items())
-    p = Parser(description='Tokenize a dataset into data/DATASET for nanomixer.', epilog=f'datasets:\n{datasets}',
-               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('dataset', nargs='?', default='pystdlib', help='which corpus (default pystdlib; see below)')
-    p.add_argument('--out_dir', help='output folder (default data/DATASET)')
-    p.add_argument('--vocab_size', type=int, help='BPE vocabulary to train (default 4096; fineweb-edu, finemath 8000)')
-    p.add_argument('--tokenizer', help='reuse PATH.model (sentencepiece) or a tiktoken encoding: gpt2, cl100k_base')
-    p.add_argument('--input', action='append', help='text dataset: a file, folder or glob (repeatable)')
-    p.add_argument('--pairs', help='retrieval pairs: docstring (pystdlib, text) or ict (any dataset)')
-    p.add_argument('--max_docs', type=int, help='keep the first N training documents (the paper: 2000000 stories)')
-    p.add_argument('--max_tokens', type=int, help='stop once the training split holds N tokens')
-    p.add_argument('--hub_url', default=os.environ.get('HF_ENDPOINT', 'https://huggingface.co').rstrip('/'),
-                   help='Hugging Face hub endpoint (default $HF_ENDPOINT or https://huggingface.co)')
-    p.add_argument('--download_dir', default=os.path.join('data', 'downloads'),
-                   help='hub files go here; put them here yourself for an offline run (default data/downloads)')
-    args = p.parse_args(argv)
-    if args.dataset not in DATASETS:
-        raise ValueError(f"unknown dataset {args.dataset!r}; known: {', '.join(DATASETS)}")
+def prepare_args(argv):
+    """prepare.py's settings as a namespace; every rule that spans two keys is checked here."""
+    doc = __doc__ + 'datasets:\n' + '\n'.join(f'  {name:<22}{about}' for name, (about, *_) in DATASETS.items())
+    args = SimpleNamespace(**parse_args(argv, DEFAULTS, dict(dataset=tuple(DATASETS)), doc, positional='dataset'))
+    args.input = [s for s in args.input.split(',') if s]
     if (args.dataset == 'text') != bool(args.input):
-        raise ValueError('the text dataset needs --input' if args.input is None else '--input is for the text dataset')
+        raise ValueError('the text dataset needs --input' if not args.input else '--input is for the text dataset')
     code = args.dataset in ('pystdlib', 'text')
-    if args.pairs not in (None, 'docstring', 'ict') or args.pairs == 'docstring' and not code:
+    if args.pairs not in ('', 'docstring', 'ict') or args.pairs == 'docstring' and not code:
         raise ValueError(f'--pairs={args.pairs} is not available for {args.dataset}: docstring (pystdlib, text) or ict')
     if args.tokenizer and args.vocab_size:
         raise ValueError('--vocab_size applies when training a tokenizer, not with --tokenizer')
-    if any(v is not None and v <= 0 for v in (args.max_docs, args.max_tokens)):
-        raise ValueError('--max_docs and --max_tokens must be positive')
-    if args.vocab_size is not None and not 261 <= args.vocab_size < 2 ** 31:
+    if args.vocab_size and not 261 <= args.vocab_size < 2 ** 31:
         raise ValueError(f'--vocab_size={args.vocab_size} is out of range: the tokenizer needs 260 pieces for bytes '
                          f'and special tokens plus one per distinct character; try 4096')
     args.out_dir = args.out_dir or os.path.join('data', args.dataset)
@@ -633,21 +767,14 @@ def parse_args(argv):
 
 
 def main(argv=None):
-    args = None
-    try:
-        args = parse_args(argv)
-        prepare(args)
-        return 0
-    except (ValueError, FileNotFoundError) as e:  # bad input, as in every script: one line, status 2
-        if args:
+    def body():
+        args = prepare_args(argv)
+        try:
+            prepare(args)
+        except (ValueError, FileNotFoundError):  # bad input found mid-way: leave no .tmp files
             remove_tmp(args.out_dir)
-        print(f'error: {e}', file=sys.stderr)
-        return 2
-    except SystemExit as e:  # --help
-        return e.code or 0
-    except KeyboardInterrupt:
-        print('interrupted: nothing was replaced; run the same command again to finish', file=sys.stderr)
-        return 130
+            raise
+    return run_main(body, 'interrupted: nothing was replaced; run the same command again to finish')
 
 
 if __name__ == '__main__':

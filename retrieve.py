@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 import train
 from model import RetrievalMixer
-from prepare import Tokenizer
+from prepare import Tokenizer, read_text_file
 
 TAU = 0.02             # InfoNCE temperature (eq. 8)
 PAPER_N = 32           # --negatives=paper: n = 32 sequences, a query, its target and 30 non-matching ones (§6.3)
@@ -70,7 +70,7 @@ DEFAULT_NS = tuple(2 ** k for k in range(5, 14))   # 32, 64, ..., 8192: the colu
 def read_jsonl(path):
     """(line number, JSON value) for each non-blank line of a .jsonl file; a bad line is an error naming file:line."""
     rows = []
-    for lineno, line in enumerate(train.read_text_file(path, 'JSONL file').split('\n'), 1):
+    for lineno, line in enumerate(read_text_file(path, 'JSONL file').split('\n'), 1):
         if not line.strip():
             continue
         try:

@@ -31,7 +31,8 @@ import time
 import torch
 
 from prepare import Tokenizer
-from train import CHOICES, choose_dtype, load_checkpoint, model_from_checkpoint, read_text_file, resolve_device
+from prepare import read_text_file
+from train import CHOICES, choose_dtype, load_checkpoint, model_from_checkpoint, resolve_device
 
 
 class Parser(argparse.ArgumentParser):

@@ -37,9 +37,6 @@ scratch run refuses an out_dir that holds a run: resume it, pass --overwrite, or
 
 Reusable API (retrieve.py imports these names; they are stable)
   DEFAULTS / LOOP_DEFAULTS       every train.py key / the keys that `fit` and `setup_runtime` read
-  parse_args(argv, defaults, choices=None, doc=None) -> dict
-        defaults, then preset files and --key=value overrides in argv order, typed like the
-        default; unknown keys and values outside `choices` raise ValueError (close matches named)
   setup_runtime(cfg) -> Runtime  DDP from torchrun's env vars (nccl on CUDA, gloo on CPU),
         device, autocast dtype, GradScaler, seeded; rt.autocast(), rt.master, rt.close()
   configure_optimizer(model, lr, weight_decay, device_type) -> AdamW (decay on >= 2-D weights,
@@ -60,8 +57,6 @@ Reusable API (retrieve.py imports these names; they are stable)
   model_from_checkpoint(ckpt) -> nn.Module            rebuild a train.py model, eval mode
   Batches(cfg, meta, data_dir)   train.py's get_batch over prepare.py's memmaps
 """
-import ast
-import difflib
 import json
 import math
 import os
@@ -78,6 +73,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import ModelConfig, build_model, flops_per_token, measure_peak_flops, objective_targets
+from prepare import parse_args, run_main, write_atomic
 
 # ----------------------------------------------------------------------------- configuration
 
@@ -113,90 +109,7 @@ DEFAULTS = dict(
 CHOICES = dict(batch_mode=('packed', 'documents'), padding=('right', 'left'), schedule=('linear', 'cosine'),
                dtype=('auto', 'bfloat16', 'float16', 'float32'), init_from=('scratch', 'resume'))
 MODEL_KEYS = [f.name for f in fields(ModelConfig) if f.name != 'vocab_size']
-# the smallest value of each numeric key that has one (keys a script lacks are skipped); lr must be > 0
-LOWEST = dict(batch_size=1, grad_accum=1, warmup_iters=0, max_iters=0, max_time=0.0, eval_interval=1, eval_iters=1,
-              log_interval=1, min_lr=0.0, weight_decay=0.0, grad_clip=0.0, seed=0, n_ctx=2, n_layers=1, d_model=1)
 SPLITS = ('train', 'val')
-
-
-def parse_args(argv, defaults, choices=None, doc=None):
-    """Defaults, then each preset file / --key=value in argv order; typed like the default.
-    --help prints doc (default: the running script's docstring) and the keys, then exits."""
-    cfg = dict(defaults)
-    args = list(sys.argv[1:] if argv is None else argv)
-    while args:
-        arg = args.pop(0)
-        if arg in ('-h', '--help'):
-            print(doc or sys.modules['__main__'].__doc__ or '')
-            print('keys and defaults:\n' + '\n'.join(f'  --{k}={v!r}' for k, v in defaults.items()))
-            raise SystemExit(0)
-        if not arg.startswith('--'):
-            for key, value in read_preset(arg, cfg).items():
-                cfg[key] = typed(key, value, defaults, arg)
-            continue
-        key, eq, value = arg[2:].partition('=')
-        key = key.replace('-', '_')
-        if not eq:  # --key value, or a bare --flag for booleans
-            if isinstance(defaults.get(key), bool) and (not args or args[0].startswith('--')):
-                value = 'true'
-            elif args and not args[0].startswith('--'):
-                value = args.pop(0)
-            else:
-                raise ValueError(f"--{key} needs a value: write --{key}=VALUE")
-        cfg[key] = typed(key, value, defaults, 'the command line')
-    for key, allowed in (choices or {}).items():
-        if cfg[key] not in allowed:
-            raise ValueError(f"{key}={cfg[key]!r} is invalid: use one of {', '.join(allowed)}")
-    for key, low in LOWEST.items():
-        if key in cfg and not low <= cfg[key] < 2 ** 63:
-            raise ValueError(f"--{key}={cfg[key]!r} is out of range: use a value >= {low}" + " (and < 2**63)" * (cfg[key] > 0))
-    if 'lr' in cfg and not 0 < cfg['lr'] >= cfg.get('min_lr', 0):
-        raise ValueError(f"--lr={cfg['lr']!r} must be > 0 and >= --min_lr={cfg.get('min_lr')!r}")
-    return cfg
-
-
-def read_preset(path, cfg):
-    """A preset's `key = value` lines as a dict; values may use earlier keys (n_ctx * 2)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no preset file {path}: see config/ for the presets")
-    try:
-        tree = ast.parse(read_text_file(path, 'preset'), path)
-    except SyntaxError as e:
-        raise ValueError(f"{path}:{e.lineno}: {e.msg}") from None
-    scope, out = dict(cfg), {}
-    for node in tree.body:
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            continue  # docstring
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
-            raise ValueError(f"{path}:{node.lineno}: presets hold only `key = value` lines")
-        try:
-            value = eval(compile(ast.Expression(node.value), path, 'eval'), {'__builtins__': {}}, scope)
-        except Exception as e:
-            raise ValueError(f"{path}:{node.lineno}: {type(e).__name__}: {e}") from None
-        scope[node.targets[0].id] = out[node.targets[0].id] = value
-    return out
-
-
-def typed(key, value, defaults, source):
-    """value (a str from the command line or a Python value from a preset) as the default's type."""
-    if key not in defaults:
-        close = difflib.get_close_matches(key, defaults, n=3)
-        hint = f"did you mean {', '.join('--' + c for c in close)}?" if close else "see --help for the keys"
-        raise ValueError(f"unknown key {key!r} in {source}: {hint}")
-    kind = type(defaults[key])
-    if isinstance(value, str) and kind is not str:
-        words = {'true': True, '1': True, 'yes': True, 'false': False, '0': False, 'no': False}
-        try:
-            value = words[value.lower()] if kind is bool else kind(value)
-        except (KeyError, ValueError):
-            raise ValueError(f"--{key}={value!r} is not a valid {kind.__name__} (default {defaults[key]!r})") from None
-    if kind is float and type(value) is int:
-        value = float(value)
-    if kind is float and type(value) is float and not math.isfinite(value):
-        raise ValueError(f"--{key}={value!r} in {source} is not a finite number")
-    if type(value) is not kind:
-        raise ValueError(f"{key}={value!r} in {source} should be a {kind.__name__} like {defaults[key]!r}")
-    return value
 
 
 # ----------------------------------------------------------------------------- runtime
@@ -374,13 +287,8 @@ def budget_used(cfg, step, train_time):
 # ----------------------------------------------------------------------------- checkpoints
 
 def save_checkpoint(obj, path):
-    """Write to a temp file and os.replace it, so a crash never leaves a half-written checkpoint."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, 'wb') as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Atomic (prepare.write_atomic): a crash never leaves a half-written checkpoint."""
+    write_atomic(path, lambda f: torch.save(obj, f))
 
 
 def load_checkpoint(path, map_location='cpu'):
@@ -454,18 +362,6 @@ def check_output_file(path, flag):
         raise ValueError(f"cannot write --{flag}={path} ({e.strerror or e}): name a file in a writable folder") from None
 
 
-def read_text_file(path, what):
-    """A UTF-8 text file's contents; a missing or non-UTF-8 file is a one-line error naming it."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{what} {path} not found")
-    data = Path(path).read_bytes()
-    try:
-        return data.decode('utf-8')
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{what} {path} is not UTF-8 text (byte {e.start} is {data[e.start]:#04x}): save it as "
-                         f"UTF-8, e.g. iconv -f latin1 -t utf-8") from None
-
-
 def remove_leftovers(out_dir, fresh):
     """Delete the temp files of a killed run (NAME.tmpPID whose process is gone) and, for a fresh
     run (which the user allowed with --overwrite), the previous run's checkpoints and log."""
@@ -498,9 +394,7 @@ def trim_log(path, step):
                 keep.append(line + '\n')
         except (ValueError, KeyError, TypeError):
             pass  # a line cut short by kill -9
-    tmp = f"{path}.tmp{os.getpid()}"
-    Path(tmp).write_text(''.join(keep))
-    os.replace(tmp, path)
+    write_atomic(path, ''.join(keep))
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -745,19 +639,23 @@ def lm_loss(model, batch):
 # ----------------------------------------------------------------------------- main
 
 def main(argv=None):
-    rt = None
+    return run_main(lambda: train_lm(argv),  # checkpoints are written atomically: the last one is whole
+                    "interrupted: continue from the last checkpoint with --init_from=resume")
+
+
+def train_lm(argv):
+    cfg = parse_args(argv, DEFAULTS, CHOICES, __doc__)
+    meta = load_meta(cfg['data_dir'])
+    mcfg = ModelConfig(vocab_size=meta['vocab_size'], **{k: cfg[k] for k in MODEL_KEYS})
+    budget_used(cfg, 0, 0.0)  # a run needs a budget
+    resume = None
+    if cfg['init_from'] == 'resume':
+        path = os.path.join(cfg['out_dir'], 'ckpt.pt')
+        resume = load_checkpoint(path)
+        check_resumable(resume, path, mcfg)
+    get_batch = Batches(cfg, meta, cfg['data_dir'])
+    rt = setup_runtime(cfg)
     try:
-        cfg = parse_args(argv, DEFAULTS, CHOICES, __doc__)
-        meta = load_meta(cfg['data_dir'])
-        mcfg = ModelConfig(vocab_size=meta['vocab_size'], **{k: cfg[k] for k in MODEL_KEYS})
-        budget_used(cfg, 0, 0.0)  # a run needs a budget
-        resume = None
-        if cfg['init_from'] == 'resume':
-            path = os.path.join(cfg['out_dir'], 'ckpt.pt')
-            resume = load_checkpoint(path)
-            check_resumable(resume, path, mcfg)
-        get_batch = Batches(cfg, meta, cfg['data_dir'])
-        rt = setup_runtime(cfg)
         check_out_dir(cfg['out_dir'], resume is None, cfg['overwrite'])
         model = build_model(mcfg)
         if rt.master:
@@ -767,17 +665,8 @@ def main(argv=None):
         extra = {'kind': 'lm', 'model_config': asdict(mcfg),
                  'data': {'data_dir': os.path.abspath(cfg['data_dir']), 'meta': meta}}
         stats = fit(cfg, rt, model, get_batch, lm_loss, extra, resume, flops_per_token(mcfg))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except SystemExit as e:  # --help
-        return e.code
-    except KeyboardInterrupt:  # checkpoints are written atomically: the last one is whole
-        print("interrupted: continue from the last checkpoint with --init_from=resume", file=sys.stderr)
-        return 130
     finally:
-        if rt is not None:
-            rt.close()
+        rt.close()
     if stats['stopped'] == 'diverged':
         return 1
     if rt.master:
