@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from model import Backbone, Ctx, ModelConfig, build_model, decode_bytes, flops_per_token, measure_peak_flops
+from model import Backbone, Context, ModelConfig, build_model, decode_bytes, flops_per_token, measure_peak_flops
 from train import CHOICES, autocast, check_output_file, choose_dtype, resolve_device
 
 MODES = ('throughput', 'memory', 'generate', 'represent', 'retrieval', 'all')
@@ -243,7 +243,7 @@ def memory_cell(args):
             backbone = Backbone(cfg).to(s.dev)
             idx = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx), device=s.dev)
             with autocast(s.dev, s.torch_dtype):
-                h = backbone(idx, Ctx())                            # (B, n_ctx, d_model)
+                h = backbone(idx, Context())                            # (B, n_ctx, d_model)
             h.float().sum().backward()
             sync(s.dev)
         peak = torch.cuda.max_memory_allocated(s.dev) if s.dev.type == 'cuda' else proc_status('VmHWM')
@@ -421,7 +421,7 @@ def layer_output_fn(model, idx, layer):
         hooks = [backbone.wte.register_forward_hook(lambda mod, inp, res: e),
                  backbone.blocks[layer - 1].register_forward_hook(lambda mod, inp, res: out.update(x=res))]
         try:
-            backbone(idx, Ctx())
+            backbone(idx, Context())
         finally:
             for h in hooks:
                 h.remove()

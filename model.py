@@ -17,7 +17,8 @@ Conventions shared by every model in this file
   None. `model.hidden(idx)` returns the last hidden states (B, T, d_model) for retrieval.
 """
 import math
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -53,59 +54,56 @@ class ModelConfig:
     objective: str = 'clm'     # clm | autoencoder | bidirectional | mtp2 | half
 
     def __post_init__(self):
-        def bad(name, allowed):
-            raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is invalid: {allowed}")
-        if self.arch not in ARCHS:
-            bad('arch', f"use one of {', '.join(ARCHS)}")
-        if self.objective not in OBJECTIVES:
-            bad('objective', f"use one of {', '.join(OBJECTIVES)}")
-        if self.pos_channel not in POS_CHANNELS:
-            bad('pos_channel', f"use one of {', '.join(POS_CHANNELS)}")
-        if self.hybrid_order not in HYBRID_ORDERS or (self.hybrid_order != 'attn_mix' and self.arch != 'hybrid'):
-            bad('hybrid_order', f"use one of {', '.join(HYBRID_ORDERS)}, and only with arch hybrid")
-        if not isinstance(self.share_ffn, bool) or (not self.share_ffn and self.objective != 'bidirectional'):
-            bad('share_ffn', "is True or False, and only the bidirectional objective has two streams to share")
-        for name in ('vocab_size', 'n_ctx', 'd_model', 'n_layers', 'kernel', 'n_convs'):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                bad(name, "must be a positive integer")
         if self.n_heads == 0:
             self.n_heads = 4 if self.arch in ('llama', 'gpt', 'hybrid', 'elita') else 1
-        if self.n_heads < 1 or self.d_model % self.n_heads:
-            bad('n_heads', f"must be >= 1 and divide d_model={self.d_model}")
-        if self.arch in ('llama', 'hybrid') and (self.d_model // self.n_heads) % 2:
-            bad('n_heads', "RoPE needs an even head size d_model // n_heads")
-        if self.arch == 'gmlp' and self.n_heads != 1:
-            bad('n_heads', "gmlp has a single spatial projection: leave n_heads at 0 or 1")
         if self.arch == 'gpt':
             self.pos_emb = True  # GPT-1 learns absolute positions; this is not optional for it
-        mixing_variant = self.kernel != 1 or self.expansion or self.n_convs != 1 or self.softmax
-        if mixing_variant and self.arch not in ('mixer', 'hybrid'):
-            bad('arch', "kernel, expansion, n_convs and softmax are masked-mixer variants: use arch mixer or hybrid")
-        if self.kernel > self.d_model // (self.n_heads if self.arch == 'mixer' else 1):
-            bad('kernel', "must not exceed the channels it slides along (d_model // n_heads)")
-        if self.expansion < 0 or (self.expansion and int(self.expansion * self.n_ctx) < 1):
-            bad('expansion', "must be 0 (flat) or > 0 with expansion * n_ctx >= 1")
-        if self.expansion and (not self.causal or self.objective == 'bidirectional'):
-            bad('expansion', "the expanded mixing is defined for the causal (tril) mask only")
-        if self.expansion and self.n_convs > 1:
-            bad('n_convs', "parallel mixings are a flat-mixer variant: use expansion=0")
-        if not self.causal and (self.arch == 'elita' or self.objective != 'clm'):
-            bad('causal', "causal=False is for clm-style encoders of arch mixer/llama/gpt/hybrid/gmlp")
-        if self.objective in ('autoencoder', 'bidirectional') and self.arch not in ('mixer', 'llama'):
-            bad('objective', f"{self.objective} is built from mixer or llama blocks: use arch mixer or llama")
-        if self.objective == 'bidirectional' and self.softmax:
-            bad('softmax', "the reverse stream's last rows have no allowed positions to normalise over")
-        if self.objective == 'half' and (self.n_layers < 2 or self.n_ctx < 2):
-            bad('n_layers', "half-sequence prediction needs n_layers >= 2 (encoder + decoder halves)")
+        for name, allowed in (('arch', ARCHS), ('objective', OBJECTIVES), ('pos_channel', POS_CHANNELS),
+                              ('hybrid_order', HYBRID_ORDERS)):
+            self.require(name, getattr(self, name) in allowed, f"use one of {', '.join(allowed)}")
+        for name in ('vocab_size', 'n_ctx', 'd_model', 'n_layers', 'n_heads', 'kernel', 'n_convs'):
+            value = getattr(self, name)
+            self.require(name, isinstance(value, int) and value >= 1, "must be a positive integer")
+        e, two_streams, mixing = self.expansion, self.objective == 'bidirectional', self.arch in ('mixer', 'hybrid')
+        for name, ok, fix in [  # every rule: (field, holds, what to do instead)
+            ('hybrid_order', self.hybrid_order == 'attn_mix' or self.arch == 'hybrid', "only arch hybrid has one"),
+            ('share_ffn', isinstance(self.share_ffn, bool) and (self.share_ffn or two_streams),
+             "is True or False, and only the bidirectional objective has two streams to share"),
+            ('n_heads', self.d_model % self.n_heads == 0, f"must divide d_model={self.d_model}"),
+            ('n_heads', self.arch not in ('llama', 'hybrid') or self.d_model // self.n_heads % 2 == 0,
+             "RoPE needs an even head size d_model // n_heads"),
+            ('n_heads', self.arch != 'gmlp' or self.n_heads == 1, "gmlp has one spatial projection: use 0 or 1"),
+            ('arch', mixing or (self.kernel, e, self.n_convs, self.softmax) == (1, 0, 1, False),
+             "kernel, expansion, n_convs and softmax are masked-mixer variants: use arch mixer or hybrid"),
+            ('kernel', self.kernel <= self.d_model // (self.n_heads if self.arch == 'mixer' else 1),
+             "must not exceed the channels it slides along (d_model // n_heads)"),
+            ('expansion', e == 0 or (e > 0 and int(e * self.n_ctx) >= 1), "use 0 (flat) or e > 0, e * n_ctx >= 1"),
+            ('expansion', e == 0 or (self.causal and not two_streams), "the expanded mixing is defined for tril only"),
+            ('n_convs', e == 0 or self.n_convs == 1, "parallel mixings are a flat-mixer variant: use expansion=0"),
+            ('causal', self.causal or (self.arch != 'elita' and self.objective == 'clm'),
+             "causal=False is for clm-style encoders of arch mixer/llama/gpt/hybrid/gmlp"),
+            ('objective', self.objective not in ('autoencoder', 'bidirectional') or self.arch in ('mixer', 'llama'),
+             f"{self.objective} is built from mixer or llama blocks: use arch mixer or llama"),
+            ('softmax', not (two_streams and self.softmax), "the reverse stream's last rows have nothing to normalise"),
+            ('n_layers', self.objective != 'half' or (self.n_layers >= 2 and self.n_ctx >= 2),
+             "half-sequence prediction needs n_layers >= 2 (encoder + decoder halves)"),
+        ]:
+            self.require(name, ok, fix)
 
+    def require(self, name, ok, fix):
+        if not ok:
+            raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is invalid: {fix}")
+
+
+# ----------------------------------------------------------------------------- the masked mixer
 
 @dataclass
-class Ctx:
+class Context:
     """What a sublayer needs besides x: where x sits in the window, padding, decoding state."""
     pos: int = 0                              # window position of x[:, 0]
     mask: Optional[torch.Tensor] = None       # (B, T) True on real tokens (attention only)
     cache: Optional[dict] = None              # per-module decoding state, keyed by module
-    shared: Optional[dict] = None             # per-Mixing inputs of a shared pad prefix (Backbone.tail)
+    shared: Optional[dict] = None             # per-Mixing inputs of a shared pad prefix (Backbone.hidden)
 
 
 def allowed_positions(direction, rows, cols, row0, device):
@@ -118,73 +116,62 @@ def allowed_positions(direction, rows, cols, row0, device):
     return ones
 
 
-def split_heads(x, heads):  # (B, T, H * c) -> (B, H, T, c), a view (einops costs ~20 us a call)
-    return x.reshape(*x.shape[:-1], heads, -1).transpose(1, 2)
-
-
-def merge_heads(x):  # (B, H, T, c) -> (B, T, H * c)
-    return x.transpose(1, 2).flatten(2)
-
-
-# ----------------------------------------------------------------------------- masked mixing
-
 class Mixing(nn.Module):
-    """Masked linear mixing over positions, per head: out[t] = sum_{s<=t} M[t, s] x[s] + bias[t].
+    """Masked linear mixing over positions, the heart of the masked mixer:
 
-    The weight has shape (n_convs, heads, kernel, n_out, n_in): kernel > 1 is the paper's Conv1d
-    with positions as channels and the kernel sliding along the features ('same' padding).
-    n_convs = p > 1 is the blog's parallel mixer, sum_i GELU(M_i x + b_i) as in the author's code:
-    the GELU per branch is what makes it more than one flat mixing with summed weights.
-    The mask is applied functionally in forward, never by overwriting .data, so masked entries
-    get exactly zero gradient and the optimizer never holds a stale copy.
-    Works on x holding input positions [pos, pos + T) of the window; with ctx.cache it appends
-    them to a cache of earlier inputs, which makes incremental decoding exact.
-    """
+        out = tril(W) @ x + b      x (n_in, c): positions x channels, W (n_out, n_in), b (n_out, 1)
 
-    def __init__(self, n_out, n_in, channels, heads=1, kernel=1, n_convs=1, softmax=False,
-                 direction='causal', weight_bound=None, bias_value=None):
+    out[t] = sum_{s<=t} W[t, s] x[s] + b[t]: a learned weight per pair of positions, the same for every
+    channel. The mask is applied in forward, never to .data, so masked entries get exactly zero gradient.
+    The weight is stored (n_convs, heads, kernel, n_out, n_in) for the variants, each a few lines below:
+    heads, a W per group of channels; kernel > 1, the paper's Conv1d with positions as channels, sliding
+    along the features; n_convs = p > 1, the blog's parallel mixer sum_i GELU(W_i x + b_i) (the GELUs make
+    it more than one flat mixing); softmax, each row a distribution over its allowed positions."""
+
+    def __init__(self, n_out, n_in, channels, heads=1, kernel=1, n_convs=1, softmax=False, direction='causal'):
         super().__init__()
         self.n_out, self.n_in, self.channels, self.heads = n_out, n_in, channels, heads
         self.kernel, self.softmax, self.direction = kernel, softmax, direction
         bound = 1 / math.sqrt(n_in * kernel)  # nn.Conv1d's default init, as the paper used
-        w = torch.empty(n_convs, heads, kernel, n_out, n_in).uniform_(-1, 1)
-        self.weight = nn.Parameter(w * (bound if weight_bound is None else weight_bound))
-        b = torch.empty(n_convs, heads, n_out, 1).uniform_(-bound, bound)
-        self.bias = nn.Parameter(b if bias_value is None else torch.full_like(b, bias_value))
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        bias = state_dict.get(prefix + 'bias')
-        if bias is not None and bias.dim() == 3:  # a checkpoint from before per-mixing biases (one mixing)
-            state_dict[prefix + 'bias'] = bias[None]
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.weight = nn.Parameter(torch.empty(n_convs, heads, kernel, n_out, n_in).uniform_(-1, 1) * bound)
+        self.bias = nn.Parameter(torch.empty(n_convs, heads, n_out, 1).uniform_(-bound, bound))
 
     def matrix(self, row0, rows, cols):
-        """Masked weights (n_convs, heads, kernel, rows, cols) for outputs [row0, row0+rows), inputs [0, cols)."""
-        w = self.weight[..., row0:row0 + rows, :cols]               # (P, H, k, R, C)
+        """Masked weights (n_convs, heads, kernel, rows, cols): outputs [row0, row0 + rows), inputs [0, cols)."""
+        w = self.weight[..., row0:row0 + rows, :cols]
         if self.softmax:  # mask with -inf *before* the softmax, so the future gets no weight
             keep = allowed_positions(self.direction, rows, cols, row0, w.device)
-            m = w.masked_fill(~keep, float('-inf')).softmax(dim=-1)
-        elif self.direction == 'causal':
-            m = w.tril(row0)       # <- causality lives here: output t reads only inputs s <= t
-        elif self.direction == 'reverse':
-            m = w.triu(row0 + 2)   # bidirectional LM's reverse stream: inputs s >= t + 2
-        else:
-            m = w
-        return m
+            return w.masked_fill(~keep, float('-inf')).softmax(dim=-1)
+        if self.direction == 'causal':
+            return w.tril(row0)       # <- causality lives here: output t reads only inputs s <= t
+        if self.direction == 'reverse':
+            return w.triu(row0 + 2)   # bidirectional LM's reverse stream: inputs s >= t + 2
+        return w
 
-    def unused(self, rows_read=None):
-        """How many weights and biases no output can depend on: masked entries, and the rows from
-        rows_read on when a following mixing never reads them (an expanded mixer's hidden rows)."""
-        rows = self.n_out if rows_read is None else rows_read
-        kept = int(allowed_positions(self.direction, rows, self.n_in, 0, 'cpu').sum())
-        per_matrix = self.weight[..., 0, 0].numel()                 # n_convs x heads x kernel
-        return self.weight.numel() + self.bias.numel() - per_matrix * kept - self.bias[..., 0, 0].numel() * rows
+    def mix(self, x, row0, rows):
+        """Outputs (B, H, rows, c) at positions [row0, row0 + rows) from inputs x (B, H, T, c) at [0, T)."""
+        if rows == 0:  # an e < 1 expanded mixing has no hidden rows past e * n_ctx
+            return x.new_zeros(x.shape[0], self.heads, 0, self.channels)
+        w, b = self.matrix(row0, rows, x.shape[2]), self.bias[..., row0:row0 + rows, :]  # (P, H, k, R, T), (P, H, R, 1)
+        if self.kernel == 1 and len(w) == 1:  # the flat mixer, per head:
+            return w[0, :, 0] @ x + b[0]      # out = tril(W) @ x + b
+        if self.kernel > 1:  # grouped Conv1d: positions are channels, the kernel slides along c ('same' size)
+            x = F.pad(rearrange(x, 'b h s c -> b (h s) c'), ((self.kernel - 1) // 2, self.kernel // 2))
+        ys = []
+        for m, bias in zip(w, b):  # each parallel mixing: (H, k, R, T), (H, R, 1)
+            if self.kernel == 1:
+                y = m[:, 0] @ x
+            else:
+                y = F.conv1d(x, rearrange(m, 'h k r s -> (h r) s k'), groups=self.heads)
+                y = rearrange(y, 'b (h r) c -> b h r c', h=self.heads)
+            ys.append(y + bias)
+        return ys[0] if len(ys) == 1 else sum(F.gelu(y) for y in ys)
 
     def forward(self, x, ctx, t_new):
-        """x (B, H, T_in, c): inputs at positions [pos, pos + T_in); returns the outputs at window
-        positions [pos, pos + t_new) that exist (rows past n_out, as in e < 1, are absent)."""
+        """x (B, H, T_in, c): inputs at window positions [pos, pos + T_in) -> the outputs at [pos, pos + t_new)
+        that exist (rows < n_out). Earlier inputs come from ctx.cache (decoding) or ctx.shared (a pad prefix)."""
         p0, t_in = ctx.pos, x.shape[2]
-        if ctx.shared is not None:  # Backbone.tail: positions < p0 are one batch-1 pass, read by every row
+        if ctx.shared is not None:  # Backbone.hidden: positions < p0 are one batch-1 pass, read by every row
             if p0 == 0:
                 ctx.shared[self] = x
             else:  # cat, not the cache's in-place writes: gradients flow back into the shared rows
@@ -192,8 +179,7 @@ class Mixing(nn.Module):
         elif ctx.cache is not None:
             buf = ctx.cache.get(self)
             if buf is None or p0 == 0:
-                buf = x.new_zeros(x.shape[0], self.heads, self.n_in, self.channels)
-                ctx.cache[self] = buf
+                buf = ctx.cache[self] = x.new_zeros(x.shape[0], self.heads, self.n_in, self.channels)
             if t_in == t_new == 1 and self.kernel == 1 and self.weight.shape[0] == 1 and p0 < self.n_out \
                     and self.direction == 'causal':
                 return self.step(x, p0, buf)
@@ -201,20 +187,7 @@ class Mixing(nn.Module):
             x = buf[:, :, :p0 + t_in]
         elif p0 != 0:
             raise ValueError("Mixing without a cache must start at window position 0")
-        cols, rows = x.shape[2], max(0, min(self.n_out, p0 + t_new) - p0)
-        if rows == 0:  # an e < 1 expanded mixing has no hidden rows past e * n_ctx
-            return x.new_zeros(x.shape[0], self.heads, 0, self.channels)
-        if self.kernel > 1:  # grouped Conv1d: positions are channels, the kernel slides along c
-            x = F.pad(rearrange(x, 'b h s c -> b (h s) c'), ((self.kernel - 1) // 2, self.kernel // 2))
-        ys = []
-        for m, b in zip(self.matrix(p0, rows, cols), self.bias):   # (H, k, R, C), (H, n_out, 1)
-            if self.kernel == 1:
-                y = torch.matmul(m[:, 0], x)                        # (B, H, R, c)
-            else:
-                y = F.conv1d(x, rearrange(m, 'h k r s -> (h r) s k'), groups=self.heads)  # 'same' size
-                y = rearrange(y, 'b (h r) c -> b h r c', h=self.heads)
-            ys.append(y + b[:, p0:p0 + rows])
-        return ys[0] if len(ys) == 1 else sum(F.gelu(y) for y in ys)  # flat: no nonlinearity
+        return self.mix(x, p0, max(0, min(self.n_out, p0 + t_new) - p0))
 
     def step(self, x, p0, buf):
         """One decoding step, x (B, H, 1, c) at position p0 < n_in, n_out (kernel 1, one mixing): row p0
@@ -224,6 +197,20 @@ class Mixing(nn.Module):
         w = w.softmax(dim=-1) if self.softmax else w
         return torch.matmul(w, buf[:, :, :p0 + 1]) + self.bias[0, :, p0:p0 + 1]  # (B, H, 1, c)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        bias = state_dict.get(prefix + 'bias')
+        if bias is not None and bias.dim() == 3:  # a checkpoint from before per-mixing biases (one mixing)
+            state_dict[prefix + 'bias'] = bias[None]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def split_heads(x, heads):  # (B, T, H * c) -> (B, H, T, c), a view (einops costs ~20 us a call)
+    return x.reshape(*x.shape[:-1], heads, -1).transpose(1, 2)
+
+
+def merge_heads(x):  # (B, H, T, c) -> (B, T, H * c)
+    return x.transpose(1, 2).flatten(2)
+
 
 class TokenMixing(nn.Module):
     """The masked mixer's replacement for attention: flat, expanded, parallel or multi-head."""
@@ -232,8 +219,7 @@ class TokenMixing(nn.Module):
         super().__init__()
         d, n = cfg.d_model, cfg.n_ctx
         self.heads = cfg.n_heads if cfg.arch == 'mixer' else 1  # hybrid: heads belong to attention
-        c = d // self.heads
-        kw = dict(channels=c, heads=self.heads, kernel=cfg.kernel, n_convs=cfg.n_convs,
+        kw = dict(channels=d // self.heads, heads=self.heads, kernel=cfg.kernel, n_convs=cfg.n_convs,
                   softmax=cfg.softmax, direction=direction)
         # fig S6: per-head input projections, a mixing per head, concat, output projection
         self.proj_in = nn.Linear(d, d) if self.heads > 1 else nn.Identity()
@@ -253,7 +239,218 @@ class TokenMixing(nn.Module):
         return self.proj_out(merge_heads(x))
 
 
-# ----------------------------------------------------------------------------- attention
+# ----------------------------------------------------------------------------- blocks and the language model
+
+class MLP(nn.Module):
+    """Position-wise d -> hidden -> d with GELU (the mixer's feed-forward; GPT-1's uses GELU's tanh form)."""
+
+    def __init__(self, d, hidden, approximate='none'):
+        super().__init__()
+        self.fc, self.out = nn.Linear(d, hidden), nn.Linear(hidden, d)
+        self.approximate = approximate
+
+    def forward(self, x, ctx=None):
+        return self.out(F.gelu(self.fc(x), approximate=self.approximate))
+
+
+def norm_layer(cfg):
+    return nn.RMSNorm(cfg.d_model, eps=1e-6) if cfg.arch in ('llama', 'hybrid') else nn.LayerNorm(cfg.d_model)
+
+
+class Block(nn.Module):
+    """One residual block: a list of (norm, sublayer) pairs; pre-norm, except GPT-1's post-norm."""
+
+    def __init__(self, cfg, direction):
+        super().__init__()
+        d, arch = cfg.d_model, cfg.arch
+        if arch == 'mixer':
+            layers = [TokenMixing(cfg, direction), MLP(d, 4 * d)]
+        elif arch == 'llama':
+            layers = [Attention(cfg, direction), SwiGLU(d, 4 * d)]
+        elif arch == 'gpt':
+            layers = [Attention(cfg, direction), MLP(d, 4 * d, approximate='tanh')]
+        elif arch == 'hybrid':  # the blog's orderings; attn_mix (mixing right after attention) its best
+            attn, mix = Attention(cfg, direction), TokenMixing(cfg, direction)
+            orders = {'attn_mix': [attn, mix], 'mix_attn': [mix, attn], 'parallel': [Parallel([attn, mix])]}
+            layers = orders[cfg.hybrid_order] + [SwiGLU(d, 4 * d)]
+        elif arch == 'gmlp':
+            layers = [GatedMLP(cfg, direction)]
+        else:
+            layers = [ELiTAAttention(cfg), ELiTAFeedForward(d)]
+        self.layers = nn.ModuleList(layers)
+        self.norms = nn.ModuleList(norm_layer(cfg) for _ in layers)
+        self.post_norm = arch == 'gpt'
+
+    def forward(self, x, ctx):  # (B, T, d) -> (B, T, d)
+        for norm, layer in zip(self.norms, self.layers):
+            x = norm(x + layer(x, ctx)) if self.post_norm else x + layer(norm(x), ctx)
+        return x
+
+
+class Backbone(nn.Module):
+    """Token embedding (optional) -> positions (optional) -> blocks -> final norm."""
+
+    def __init__(self, cfg, direction='causal', embed=True):
+        super().__init__()
+        self.cfg, self.direction = cfg, direction
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model) if embed else None
+        self.wpe = nn.Embedding(cfg.n_ctx, cfg.d_model) if cfg.pos_emb else None
+        self.blocks = nn.ModuleList(Block(cfg, direction) for _ in range(cfg.n_layers))
+        self.norm = nn.Identity() if cfg.arch in ('mixer', 'gpt') else norm_layer(cfg)  # paper's mixer, GPT-1: none
+        # hidden(keep) can skip pad columns exactly: causal mixings share them, RoPE attention drops them;
+        # 'half' blanks from half the input's length on, which a shorter pass would move
+        self.trims = embed and cfg.objective != 'half' and (
+            cfg.arch == 'llama' or (cfg.arch in ('mixer', 'gmlp') and direction == 'causal'))
+
+    def forward(self, x, ctx):  # idx (B, T) or embeddings (B, T, d) -> (B, T, d)
+        if self.wte is not None:
+            check_tokens(x, self.cfg, ctx.pos)
+            x = self.wte(x)
+        elif ctx.pos + x.shape[1] > self.cfg.n_ctx:
+            raise ValueError(f"sequence of {x.shape[1]} positions exceeds n_ctx={self.cfg.n_ctx}")
+        if self.wpe is not None:
+            x = x + self.wpe.weight[ctx.pos:ctx.pos + x.shape[1]]
+        pos = torch.arange(ctx.pos, ctx.pos + x.shape[1], device=x.device)
+        if self.cfg.pos_channel != 'none':
+            x = self.with_position(x, pos)
+        split = self.cfg.n_layers // 2 if self.cfg.objective == 'half' else -1
+        for i, block in enumerate(self.blocks):
+            if i == split:  # half-sequence prediction: the second half only sees the first half
+                x = x * (pos < half_split(ctx.pos + x.shape[1]))[None, :, None]
+            x = block(x, ctx)
+            if self.cfg.pos_channel == 'every':
+                x = self.with_position(x, pos)
+        return self.norm(x)
+
+    def with_position(self, x, pos):
+        """The blog's positional channel: the last of d_model channels holds the centred position."""
+        centred = (pos - self.cfg.n_ctx // 2).to(x.dtype)[None, :, None].expand(x.shape[0], -1, 1)
+        return torch.cat((x[..., :-1], centred), dim=-1)
+
+    def hidden(self, idx, mask=None, keep=None):
+        """Hidden states (B, T, d) of idx (B, T), or with keep only the last `keep` of them, exactly and
+        without spending rows on the first T - keep columns, which must be the same padding in every row.
+        Causal mixers: a pad-only position reads only pads, so one batch-1 pass computes those states for
+        every row (gradients reach them through every row). Llama: pad keys are masked and RoPE sees only
+        relative positions, so pad columns are dropped. The other archs (see trims) run the full window."""
+        cut = 0 if keep is None else idx.shape[1] - keep
+        if cut <= 0 or not self.trims or (mask is None and self.cfg.arch == 'llama'):
+            return self(idx, Context(mask=mask))[:, max(cut, 0):]
+        if (mask is not None and mask[:, :cut].any()) or not (idx[:, :cut] == idx[:1, :cut]).all():
+            raise ValueError(f"hidden(keep={keep}): the first {cut} columns must be the same padding in every row")
+        if self.cfg.arch == 'llama':
+            return self(idx[:, cut:], Context(mask=None if mask is None else mask[:, cut:]))
+        shared = {}
+        self(idx[:1, :cut], Context(shared=shared))                     # (1, cut, d): the pad prefix, once
+        return self(idx[:, cut:], Context(pos=cut, shared=shared))
+
+
+def check_tokens(idx, cfg, pos=0):
+    if idx.dim() != 2:
+        raise ValueError(f"idx must be (B, T) token ids, got shape {tuple(idx.shape)}")
+    if pos + idx.shape[1] > cfg.n_ctx:
+        raise ValueError(f"sequence of {pos + idx.shape[1]} tokens exceeds n_ctx={cfg.n_ctx}: "
+                         f"crop it or train with a larger n_ctx")
+    checked = pos == 0 and not torch.compiler.is_compiling()  # decode steps feed sampled ids: no sync
+    if checked and idx.numel() and (idx.min() < 0 or idx.max() >= cfg.vocab_size):
+        raise ValueError(f"token ids must lie in [0, vocab_size={cfg.vocab_size}), got "
+                         f"[{int(idx.min())}, {int(idx.max())}]")
+
+
+def add_lm_head(model, cfg, wte):
+    """The lm head, then the init: transformers get the usual N(0, 0.02) (HF Llama / GPT-1); mixers
+    keep PyTorch's defaults, as the paper did, and mixings their own."""
+    model.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+    if cfg.arch in ('llama', 'gpt', 'hybrid'):
+        for mod in model.modules():
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(mod.weight, std=0.02)
+                if getattr(mod, 'bias', None) is not None:
+                    nn.init.zeros_(mod.bias)
+    if cfg.tie_weights:
+        model.lm_head.weight = wte.weight
+
+
+class LanguageModel(nn.Module):
+    """A next-token model of any arch: Backbone + lm head (objectives clm, mtp2 and half)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.backbone = Backbone(cfg, 'causal' if cfg.causal else 'none')
+        add_lm_head(self, cfg, self.backbone.wte)
+
+    def hidden(self, idx, mask=None, keep=None):
+        """Last hidden states (B, T, d_model), the lm head's input (keep: see Backbone.hidden)."""
+        return self.backbone.hidden(idx, mask, keep)
+
+    def forward(self, idx, targets=None, mask=None):
+        logits = self.lm_head(self.hidden(idx, mask))
+        loss = None
+        if targets is not None:
+            loss = lm_loss(logits, targets)
+            if self.cfg.objective == 'mtp2':  # paper 5.2: a second pass on the model's own argmax
+                logits2 = self.lm_head(self.hidden(logits.argmax(-1), mask))  # logits2[t] -> token t+2
+                loss = loss + lm_loss(logits2[:, :-1], targets[:, 1:])
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, **kw):
+        """idx (B, T0) -> (B, T0 + max_new_tokens). Keyword arguments as in `stream`."""
+        new = [tok[:, None] for tok, _ in self.stream(idx, max_new_tokens, **kw)]
+        return torch.cat([idx] + new, dim=1)
+
+    @torch.no_grad()
+    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
+               method='cache', generator=None, compile=False):
+        """Yield (token (B,), logits (B, vocab)) for each new token.
+        method='window' is the paper's generation (§4.2): each new token is written at the next position
+        of the n_ctx window and the whole window runs again, O(n^3 d) per window for a mixer. method='cache'
+        keeps what each position contributed (mixer inputs, keys/values, ELiTA's running sums) and runs
+        only the new position, O(n^2 d), the same numbers up to float rounding. A full window slides alike
+        in both: its last n_ctx/2 tokens are re-encoded at the window start. compile=True runs the cached
+        steps through torch.compile, one dynamic-shape graph for every position (seconds to a minute once)."""
+        cfg = self.cfg
+        if cfg.objective == 'half' or not cfg.causal:
+            raise ValueError("generation needs a causal next-token model (objective clm or mtp2)")
+        if method not in ('cache', 'window'):
+            raise ValueError(f"method={method!r}: use 'cache' or 'window'")
+        n = cfg.n_ctx
+        cache = {} if method == 'cache' else None
+        step = self.decode_step
+        if compile and method == 'cache':
+            if getattr(self, '_compiled_step', None) is None:  # compiled once per model and process
+                self._compiled_step = torch.compile(self.decode_step, dynamic=True)
+            step = self._compiled_step
+
+        def next_logits(window, new):  # logits after `window`, whose last `new` tokens are unseen
+            length = window.shape[1]
+            if cache is None:  # one full forward over the padded window (causal: filler is unseen)
+                h = self.backbone(F.pad(window, (0, n - length)), Context())[:, length - 1]
+                return self.lm_head(h).float()
+            if new == length:  # the prompt (or a slid window) in one pass at position 0, eager
+                return self.decode_step(window, 0, cache)
+            return step(window[:, -1:], length - 1, cache)
+
+        window = idx[:, -n:]
+        logits = next_logits(window, window.shape[1])
+        for _ in range(max_new_tokens):
+            tok = sample_token(logits, temperature, top_k, top_p, generator)
+            yield tok, logits
+            window = torch.cat([window, tok[:, None]], dim=1)
+            if window.shape[1] > n:  # slide: re-encode the last n/2 tokens at the window start
+                window = window[:, -(n // 2):]
+                logits = next_logits(window, window.shape[1])
+            else:
+                logits = next_logits(window, 1)
+
+    def decode_step(self, tok, pos, cache):
+        """Logits (B, vocab) after tokens tok (B, T) at window positions [pos, pos + T), reading and
+        extending cache: the cached decoding step, a function of its arguments so it can be compiled."""
+        return self.lm_head(self.backbone(tok, Context(pos=pos, cache=cache))[:, -1]).float()
+
+
+# ----------------------------------------------------------------------------- baselines: llama and GPT-1
 
 def attention_mask(direction, pos, t, s, key_mask, device):
     """(attn_mask, is_causal) for SDPA: queries at [pos, pos+t), keys at [0, s)."""
@@ -317,12 +514,53 @@ class Attention(nn.Module):
             kv[1, :, :, ctx.pos:ctx.pos + k.shape[2]] = v
             k, v = kv[0, :, :, :ctx.pos + k.shape[2]], kv[1, :, :, :ctx.pos + k.shape[2]]
         mask, is_causal = attention_mask(self.direction, ctx.pos, q.shape[2], k.shape[2], ctx.mask, x.device)
-        y = attend(q, k, v, mask, is_causal)
-        return self.proj(merge_heads(y))
+        return self.proj(merge_heads(attend(q, k, v, mask, is_causal)))
 
 
-class Attention2(nn.Module):
-    """ELiTA's linear-time attention (seed 001). Per head, with scalar projections K1, K2, K3 and
+class SwiGLU(nn.Module):
+    """Llama's gated feed-forward: w2(silu(w1 x) * w3 x), no biases."""
+
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.w13 = nn.Linear(d, 2 * hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x, ctx=None):
+        a, b = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(a) * b)
+
+
+# ----------------------------------------------------------------------------- extras: hybrid, gMLP, ELiTA
+
+class Parallel(nn.ModuleList):
+    """Sublayers side by side on one normed input, outputs added (the parallel hybrid)."""
+
+    def forward(self, x, ctx):
+        return sum(layer(x, ctx) for layer in self)
+
+
+class GatedMLP(nn.Module):
+    """gMLP's block body: up-projection, GELU, Spatial Gating Unit, down-projection. SGU: split the
+    channels into u, v; v = spatial(LayerNorm(v)), a masked n_ctx x n_ctx mixing; out u * v."""
+
+    def __init__(self, cfg, direction, ffn_mult=6):
+        super().__init__()
+        d, n, half = cfg.d_model, cfg.n_ctx, ffn_mult * cfg.d_model // 2
+        self.up, self.down = nn.Linear(d, 2 * half), nn.Linear(half, d)
+        self.norm = nn.LayerNorm(half)
+        self.spatial = Mixing(n, n, half, direction=direction)
+        with torch.no_grad():  # gMLP's init, W near 0 and b = 1: the block starts as a plain feed-forward
+            self.spatial.weight.uniform_(-0.01 / n, 0.01 / n)
+            self.spatial.bias.fill_(1.0)
+
+    def forward(self, x, ctx):
+        u, v = F.gelu(self.up(x)).chunk(2, dim=-1)
+        v = self.spatial(self.norm(v)[:, None], ctx, v.shape[1])[:, 0]
+        return self.down(u * v)
+
+
+class ELiTAAttention(nn.Module):
+    """ELiTA's linear-time attention. Per head, with scalar projections K1, K2, K3 and
     sinusoidal positions p1, p2 (P(i, j) = c.p1_j + c.p2_i):
         y_i = (e^{K2 x_i} V x_i + e^{c.p2_i + K3 x_i} sum_{j<=i} e^{K1 x_j + c.p1_j} V x_j)
               / (e^{K2 x_i} + e^{c.p2_i + K3 x_i} sum_{j<=i} e^{K1 x_j + c.p1_j})
@@ -348,67 +586,39 @@ class Attention2(nn.Module):
         p = torch.sin(i[None, None, :, None] * self.freq[:, :, None] + self.phase[:, :, None])
         p = (p * self.c[None, :, None]).sum(-1)                         # (2, H, T): c.p1_j, c.p2_i
         k1, k2, k3 = rearrange(self.keys(x).to(dt), 'b t (n h) -> n b h t', n=3)
-        s, diag, q = k1 + p[0], k2, k3 + p[1]                          # (B, H, T) logits
+        key, diag, query = k1 + p[0], k2, k3 + p[1]                     # (B, H, T) logits
         v = rearrange(self.value(x).to(dt), 'b t (h c) -> b h t c', h=self.heads)
         state = ctx.cache.get(self) if ctx.cache is not None and ctx.pos > 0 else None
         if state is None:  # empty sums: running max -inf, sums 0
-            state = (s.new_full((B, self.heads), float('-inf')), v.new_zeros(B, self.heads, v.shape[-1]),
-                     s.new_zeros(B, self.heads))
+            state = (key.new_full((B, self.heads), float('-inf')), v.new_zeros(B, self.heads, v.shape[-1]),
+                     key.new_zeros(B, self.heads))
         ys = []
         for a in range(0, T, ELITA_CHUNK):
-            y, state = self.scan(s[..., a:a + ELITA_CHUNK], diag[..., a:a + ELITA_CHUNK],
-                                 q[..., a:a + ELITA_CHUNK], v[:, :, a:a + ELITA_CHUNK], state)
+            chunk = slice(a, a + ELITA_CHUNK)
+            y, state = self.scan(key[..., chunk], diag[..., chunk], query[..., chunk], v[:, :, chunk], state)
             ys.append(y)
         if ctx.cache is not None:
             ctx.cache[self] = state
-        y = torch.cat(ys, dim=2).type_as(x)
-        return self.proj(rearrange(y, 'b h t c -> b t (h c)'))
+        return self.proj(rearrange(torch.cat(ys, dim=2).type_as(x), 'b h t c -> b t (h c)'))
 
     @staticmethod
-    def scan(s, diag, q, v, state):
+    def scan(key, diag, query, v, state):
         """One block of positions: y and the carried (max m, sum S e^-m, sum Z e^-m)."""
         m0, S0, Z0 = state
-        m = torch.maximum(m0[..., None], s.cummax(dim=-1).values)     # (B, H, L) running max
-        L = s.shape[-1]
-        causal = torch.ones(L, L, dtype=torch.bool, device=s.device).tril()
-        w = (s[..., None, :] - m[..., :, None]).masked_fill(~causal, float('-inf')).exp()  # (B,H,L,L)
+        m = torch.maximum(m0[..., None], key.cummax(dim=-1).values)   # (B, H, L) running max
+        L = key.shape[-1]
+        causal = torch.ones(L, L, dtype=torch.bool, device=key.device).tril()
+        w = (key[..., None, :] - m[..., :, None]).masked_fill(~causal, float('-inf')).exp()  # (B,H,L,L)
         decay = torch.exp(m0[..., None] - m)                           # rescale the carried sums
         S = decay[..., None] * S0[:, :, None] + w @ v                  # (B, H, L, c)
         Z = decay * Z0[..., None] + w.sum(-1)                          # (B, H, L)
-        top = torch.maximum(diag, q + m)
-        a, b = torch.exp(diag - top), torch.exp(q + m - top)
+        top = torch.maximum(diag, query + m)
+        a, b = torch.exp(diag - top), torch.exp(query + m - top)
         y = (a[..., None] * v + b[..., None] * S) / (a + b * Z)[..., None]
         return y, (m[..., -1], S[:, :, -1], Z[..., -1])
 
 
-# ----------------------------------------------------------------------------- feed-forwards
-
-class MLP(nn.Module):
-    """Position-wise d -> hidden -> d with GELU (the mixer's feed-forward; GPT-1's uses GELU's tanh form)."""
-
-    def __init__(self, d, hidden, approximate='none'):
-        super().__init__()
-        self.fc, self.out = nn.Linear(d, hidden), nn.Linear(hidden, d)
-        self.approximate = approximate
-
-    def forward(self, x, ctx=None):
-        return self.out(F.gelu(self.fc(x), approximate=self.approximate))
-
-
-class SwiGLU(nn.Module):
-    """Llama's gated feed-forward: w2(silu(w1 x) * w3 x), no biases."""
-
-    def __init__(self, d, hidden):
-        super().__init__()
-        self.w13 = nn.Linear(d, 2 * hidden, bias=False)
-        self.w2 = nn.Linear(hidden, d, bias=False)
-
-    def forward(self, x, ctx=None):
-        a, b = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(a) * b)
-
-
-class FeedForward2(nn.Module):
+class ELiTAFeedForward(nn.Module):
     """ELiTA's feed-forward: y = W3 (silu(W1 x + b1) outer silu(W2 x + b2)) + b3, scale 8."""
 
     def __init__(self, d, scale=8):
@@ -421,139 +631,18 @@ class FeedForward2(nn.Module):
         return self.w3(outer.flatten(-2))
 
 
-class GatedMLP(nn.Module):
-    """gMLP's block body (seed 002): up-projection, GELU, Spatial Gating Unit, down-projection.
-    SGU: split channels into u, v; v = spatial(LayerNorm(v)) with a masked n_ctx x n_ctx
-    projection initialised near W = 0, b = 1 (so the block starts as a plain FFN); out u * v."""
+# ----------------------------------------------------------------------------- objectives and decoding
 
-    def __init__(self, cfg, direction, ffn_mult=6):
-        super().__init__()
-        d, half = cfg.d_model, ffn_mult * cfg.d_model // 2
-        self.up, self.down = nn.Linear(d, 2 * half), nn.Linear(half, d)
-        self.norm = nn.LayerNorm(half)
-        self.spatial = Mixing(cfg.n_ctx, cfg.n_ctx, half, direction=direction,
-                              weight_bound=0.01 / cfg.n_ctx, bias_value=1.0)
-
-    def forward(self, x, ctx):
-        u, v = F.gelu(self.up(x)).chunk(2, dim=-1)
-        v = self.spatial(self.norm(v)[:, None], ctx, v.shape[1])[:, 0]
-        return self.down(u * v)
-
-
-# ----------------------------------------------------------------------------- blocks and models
-
-class Block(nn.Module):
-    """One residual block: a list of (norm, sublayer) pairs; pre-norm, except GPT-1's post-norm."""
-
-    def __init__(self, cfg, direction):
-        super().__init__()
-        d, arch = cfg.d_model, cfg.arch
-        if arch == 'mixer':
-            layers = [TokenMixing(cfg, direction), MLP(d, 4 * d)]
-        elif arch == 'llama':
-            layers = [Attention(cfg, direction), SwiGLU(d, 4 * d)]
-        elif arch == 'hybrid':  # the blog's orderings; attn_mix (mixing right after attention) its best
-            attn, mix = Attention(cfg, direction), TokenMixing(cfg, direction)
-            mixers = {'attn_mix': [attn, mix], 'mix_attn': [mix, attn], 'parallel': [Parallel([attn, mix])]}
-            layers = mixers[cfg.hybrid_order] + [SwiGLU(d, 4 * d)]
-        elif arch == 'gpt':
-            layers = [Attention(cfg, direction), MLP(d, 4 * d, approximate='tanh')]
-        elif arch == 'gmlp':
-            layers = [GatedMLP(cfg, direction)]
-        else:
-            layers = [Attention2(cfg), FeedForward2(d)]
-        norm = (lambda: nn.RMSNorm(d, eps=1e-6)) if arch in ('llama', 'hybrid') else (lambda: nn.LayerNorm(d))
-        self.layers = nn.ModuleList(layers)
-        self.norms = nn.ModuleList(norm() for _ in layers)
-        self.post_norm = arch == 'gpt'
-
-    def forward(self, x, ctx):
-        for norm, layer in zip(self.norms, self.layers):
-            x = norm(x + layer(x, ctx)) if self.post_norm else x + layer(norm(x), ctx)
-        return x
-
-
-class Parallel(nn.ModuleList):
-    """Sublayers side by side on one normed input, outputs added (the parallel hybrid)."""
-
-    def forward(self, x, ctx):
-        return sum(layer(x, ctx) for layer in self)
-
-
-class Backbone(nn.Module):
-    """Token embedding (optional) -> positions (optional) -> blocks -> final norm."""
-
-    def __init__(self, cfg, direction='causal', embed=True):
-        super().__init__()
-        self.cfg = cfg
-        d = cfg.d_model
-        self.wte = nn.Embedding(cfg.vocab_size, d) if embed else None
-        self.wpe = nn.Embedding(cfg.n_ctx, d) if cfg.pos_emb else None
-        self.blocks = nn.ModuleList(Block(cfg, direction) for _ in range(cfg.n_layers))
-        final = {'llama': lambda: nn.RMSNorm(d, eps=1e-6), 'hybrid': lambda: nn.RMSNorm(d, eps=1e-6),
-                 'gmlp': lambda: nn.LayerNorm(d), 'elita': lambda: nn.LayerNorm(d)}
-        self.norm = final.get(cfg.arch, nn.Identity)()  # the paper's mixer and GPT-1 have none
-        self.direction = direction
-        # tail() can skip the pad columns exactly: causal mixings (shared) or RoPE attention (dropped);
-        # 'half' blanks from half the input's length on, which a shorter pass would move
-        self.trims = embed and cfg.objective != 'half' and (
-            cfg.arch == 'llama' or (cfg.arch in ('mixer', 'gmlp') and direction == 'causal'))
-
-    def forward(self, x, ctx):  # idx (B, T) or embeddings (B, T, d) -> (B, T, d)
-        if self.wte is not None:
-            check_tokens(x, self.cfg, ctx.pos)
-            x = self.wte(x)
-        elif ctx.pos + x.shape[1] > self.cfg.n_ctx:
-            raise ValueError(f"sequence of {x.shape[1]} positions exceeds n_ctx={self.cfg.n_ctx}")
-        if self.wpe is not None:
-            x = x + self.wpe.weight[ctx.pos:ctx.pos + x.shape[1]]
-        pos = torch.arange(ctx.pos, ctx.pos + x.shape[1], device=x.device)
-        if self.cfg.pos_channel != 'none':
-            x = self.with_position(x, pos)
-        split = self.cfg.n_layers // 2 if self.cfg.objective == 'half' else -1
-        for i, block in enumerate(self.blocks):
-            if i == split:  # half-sequence prediction: the second half only sees the first half
-                x = x * (pos < half_split(ctx.pos + x.shape[1]))[None, :, None]
-            x = block(x, ctx)
-            if self.cfg.pos_channel == 'every':
-                x = self.with_position(x, pos)
-        return self.norm(x)
-
-    def with_position(self, x, pos):
-        """The blog's positional channel: the last of d_model channels holds the centred position."""
-        centred = (pos - self.cfg.n_ctx // 2).to(x.dtype)[None, :, None].expand(x.shape[0], -1, 1)
-        return torch.cat((x[..., :-1], centred), dim=-1)
-
-    def tail(self, idx, mask, keep):
-        """The last `keep` hidden states (B, keep, d) of a left-padded batch idx (B, n_ctx) whose first
-        n_ctx - keep columns are padding in every row, without spending rows on that padding; exact.
-        Causal mixers (mixer, gmlp): a pad-only position reads only pads, so its states are the same in
-        every row: one batch-1 pass computes them, then the real rows read them (gradients reach them
-        through every row). RoPE transformers (llama): pad keys are masked and RoPE sees only relative
-        positions, so the pad columns are dropped. GPT-1 would need its position table and its causal
-        mask offset by the cut, and the others mix pads into real rows: they run the full window."""
-        cut = idx.shape[1] - keep
-        if cut <= 0 or not self.trims or (mask is None and self.cfg.arch == 'llama'):
-            return self(idx, Ctx(mask=mask))[:, max(cut, 0):]
-        if (mask is not None and mask[:, :cut].any()) or not (idx[:, :cut] == idx[:1, :cut]).all():
-            raise ValueError(f"tail(keep={keep}): the first {cut} columns must be the same padding in every row")
-        if self.cfg.arch == 'llama':
-            return self(idx[:, cut:], Ctx(mask=None if mask is None else mask[:, cut:]))
-        shared = {}
-        self(idx[:1, :cut], Ctx(shared=shared))                         # (1, cut, d): the pad prefix, once
-        return self(idx[:, cut:], Ctx(pos=cut, shared=shared))
-
-
-def check_tokens(idx, cfg, pos=0):
-    if idx.dim() != 2:
-        raise ValueError(f"idx must be (B, T) token ids, got shape {tuple(idx.shape)}")
-    if pos + idx.shape[1] > cfg.n_ctx:
-        raise ValueError(f"sequence of {pos + idx.shape[1]} tokens exceeds n_ctx={cfg.n_ctx}: "
-                         f"crop it or train with a larger n_ctx")
-    checked = pos == 0 and not torch.compiler.is_compiling()  # decode steps feed sampled ids: no sync
-    if checked and idx.numel() and (idx.min() < 0 or idx.max() >= cfg.vocab_size):
-        raise ValueError(f"token ids must lie in [0, vocab_size={cfg.vocab_size}), got "
-                         f"[{int(idx.min())}, {int(idx.max())}]")
+def objective_targets(objective, x, y, mask=None):
+    """Targets for an objective from the loader's inputs x and next-token targets y (-1 = ignore).
+    mask: (B, T) True on real tokens of x (None = no padding)."""
+    if objective in ('clm', 'mtp2', 'bidirectional'):
+        return y
+    t = x if mask is None else x.masked_fill(~mask, -1)      # autoencoder: every input token
+    if objective == 'half':                                   # predict the second half from the first
+        t = t.clone()
+        t[:, :half_split(x.shape[1])] = -1
+    return t
 
 
 def half_split(length):
@@ -565,107 +654,6 @@ def half_split(length):
 def lm_loss(logits, targets):
     """Mean cross-entropy over the positions whose target is not -1."""
     return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-1)
-
-
-def init_weights(model, cfg):
-    """Transformers get the usual N(0, 0.02) init (HF Llama / GPT-1); mixers keep PyTorch's
-    defaults, as the paper did. Mixing weights keep their own (Conv1d-style) init."""
-    if cfg.arch not in ('llama', 'gpt', 'hybrid'):
-        return
-    for mod in model.modules():
-        if isinstance(mod, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(mod.weight, std=0.02)
-            if getattr(mod, 'bias', None) is not None:
-                nn.init.zeros_(mod.bias)
-
-
-class LanguageModel(nn.Module):
-    """A next-token model of any arch: Backbone + lm head (objectives clm, mtp2 and half)."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.cfg = cfg
-        self.backbone = Backbone(cfg, 'causal' if cfg.causal else 'none')
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        init_weights(self, cfg)
-        if cfg.tie_weights:
-            self.lm_head.weight = self.backbone.wte.weight
-
-    def hidden(self, idx, mask=None, keep=None):
-        """Last hidden states (B, T, d_model), the input of the lm head; keep: only the last `keep`
-        positions of a left-padded batch, its pad columns shared or dropped (Backbone.tail)."""
-        return self.backbone(idx, Ctx(mask=mask)) if keep is None else self.backbone.tail(idx, mask, keep)
-
-    def forward(self, idx, targets=None, mask=None):
-        logits = self.lm_head(self.hidden(idx, mask))
-        loss = None
-        if targets is not None:
-            loss = lm_loss(logits, targets)
-            if self.cfg.objective == 'mtp2':  # paper 5.2: a second pass on the model's own argmax
-                logits2 = self.lm_head(self.hidden(logits.argmax(-1), mask))  # logits2[t] -> token t+2
-                loss = loss + lm_loss(logits2[:, :-1], targets[:, 1:])
-        return logits, loss
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, **kw):
-        """idx (B, T0) -> (B, T0 + max_new_tokens). Keyword arguments as in `stream`."""
-        new = [tok[:, None] for tok, _ in self.stream(idx, max_new_tokens, **kw)]
-        return torch.cat([idx] + new, dim=1)
-
-    @torch.no_grad()
-    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-               method='cache', generator=None, compile=False):
-        """Yield (token (B,), logits (B, vocab)) for each new token.
-
-        method='window' is the paper's fixed-window generation (§4.2): the prompt sits at the
-        start of the n_ctx window, each new token is written at the next position and the whole
-        window is run again: O(n^3 d) per window for a mixer. method='cache' keeps, per layer,
-        what each position contributed (mixer inputs, keys/values, ELiTA's running sums) and
-        runs only the new position: O(n^2 d), the same numbers up to float rounding.
-        When the window is full both methods slide alike: the last n_ctx/2 tokens are
-        re-encoded at the window start, so they agree for any length.
-        compile=True runs the cached one-token steps through torch.compile (dynamic shapes, so one
-        graph serves every position): it removes most of a step's Python and dispatch overhead, at
-        a one-time cost of seconds to a minute on the first step (and again per new batch size).
-        """
-        cfg = self.cfg
-        if cfg.objective == 'half' or not cfg.causal:
-            raise ValueError("generation needs a causal next-token model (objective clm or mtp2)")
-        if method not in ('cache', 'window'):
-            raise ValueError(f"method={method!r}: use 'cache' or 'window'")
-        n = cfg.n_ctx
-        cache = {} if method == 'cache' else None
-        step = self.decode_step
-        if compile and method == 'cache':
-            if getattr(self, '_compiled_step', None) is None:  # compiled once per model and process
-                self._compiled_step = torch.compile(self.decode_step, dynamic=True)
-            step = self._compiled_step
-
-        def next_logits(window, new):  # logits after `window`, whose last `new` tokens are unseen
-            length = window.shape[1]
-            if cache is None:  # one full forward over the padded window (causal: filler is unseen)
-                h = self.backbone(F.pad(window, (0, n - length)), Ctx())[:, length - 1]
-                return self.lm_head(h).float()
-            if new == length:  # the prompt (or a slid window) in one pass at position 0, eager
-                return self.decode_step(window, 0, cache)
-            return step(window[:, -1:], length - 1, cache)
-
-        window = idx[:, -n:]
-        logits = next_logits(window, window.shape[1])
-        for _ in range(max_new_tokens):
-            tok = sample_token(logits, temperature, top_k, top_p, generator)
-            yield tok, logits
-            window = torch.cat([window, tok[:, None]], dim=1)
-            if window.shape[1] > n:  # slide: re-encode the last n/2 tokens at the window start
-                window = window[:, -(n // 2):]
-                logits = next_logits(window, window.shape[1])
-            else:
-                logits = next_logits(window, 1)
-
-    def decode_step(self, tok, pos, cache):
-        """Logits (B, vocab) after tokens tok (B, T) at window positions [pos, pos + T), reading and
-        extending cache: the cached decoding step, a function of its arguments so it can be compiled."""
-        return self.lm_head(self.backbone(tok, Ctx(pos=pos, cache=cache))[:, -1]).float()
 
 
 def sample_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
@@ -681,9 +669,10 @@ def sample_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) > top_p   # keep the smallest prefix reaching top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float('-inf'))
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 
+
+# ----------------------------------------------------------------------------- bidirectional, autoencoder, retrieval
 
 class BidirectionalLM(nn.Module):
     """Paper §5.1, fig S11: a forward stream (tril) and a reverse stream (triu, offset 2) that
@@ -701,10 +690,7 @@ class BidirectionalLM(nn.Module):
         if cfg.share_ffn:  # the author's code: one feed-forward (and its norm) per block serves both streams
             for f, r in zip(self.fwd.blocks, self.rev.blocks):
                 r.layers[-1], r.norms[-1] = f.layers[-1], f.norms[-1]
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        init_weights(self, cfg)
-        if cfg.tie_weights:
-            self.lm_head.weight = self.wte.weight
+        add_lm_head(self, cfg, self.wte)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """Weights saved with a feed-forward per stream must not load into shared ones (one would win)."""
@@ -717,7 +703,7 @@ class BidirectionalLM(nn.Module):
 
     def hidden(self, idx, mask=None):
         check_tokens(idx, self.cfg)
-        x, ctx = self.wte(idx), Ctx(mask=mask)
+        x, ctx = self.wte(idx), Context(mask=mask)
         return self.fwd(x, ctx) + self.rev(x, ctx)
 
     def forward(self, idx, targets=None, mask=None):
@@ -735,20 +721,17 @@ class Autoencoder(nn.Module):
         self.cfg = cfg
         self.encoder = Backbone(cfg)
         self.decoder = Backbone(cfg, embed=False)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        init_weights(self, cfg)
-        if cfg.tie_weights:
-            self.lm_head.weight = self.encoder.wte.weight
+        add_lm_head(self, cfg, self.encoder.wte)
 
     def hidden(self, idx, mask=None, keep=None):
         """Encoder hidden states (B, T, d_model); its last position is the sequence embedding."""
-        return self.encoder(idx, Ctx(mask=mask)) if keep is None else self.encoder.tail(idx, mask, keep)
+        return self.encoder.hidden(idx, mask, keep)
 
     def encode(self, idx, mask=None):  # (B, T) -> (B, d_model)
         return self.hidden(idx, mask)[:, -1]
 
     def decode(self, z, length):  # (B, d_model) -> logits (B, length, vocab)
-        return self.lm_head(self.decoder(z[:, None, :].expand(-1, length, -1), Ctx()))
+        return self.lm_head(self.decoder(z[:, None, :].expand(-1, length, -1), Context()))
 
     def forward(self, idx, targets=None, mask=None):
         logits = self.decode(self.encode(idx, mask), idx.shape[1])
@@ -761,13 +744,12 @@ class RetrievalMixer(nn.Module):
 
     def __init__(self, d_model, n_layers, c):
         super().__init__()
-        self.cfg = ModelConfig(arch='mixer', vocab_size=1, n_ctx=c, d_model=d_model, n_layers=n_layers,
-                               causal=False)
+        self.cfg = ModelConfig(vocab_size=1, n_ctx=c, d_model=d_model, n_layers=n_layers, causal=False)
         self.backbone = Backbone(self.cfg, 'none', embed=False)
         self.head = nn.Linear(d_model, 1)
 
     def forward(self, x, labels=None):  # x (B, c, d) -> logits (B, c - 1); labels index targets
-        logits = self.head(self.backbone(x, Ctx()))[..., 0][:, 1:]
+        logits = self.head(self.backbone(x, Context()))[..., 0][:, 1:]
         return logits, None if labels is None else F.cross_entropy(logits.float(), labels)
 
 
@@ -776,46 +758,35 @@ def build_model(cfg):
     return {'autoencoder': Autoencoder, 'bidirectional': BidirectionalLM}.get(cfg.objective, LanguageModel)(cfg)
 
 
-def objective_targets(objective, x, y, mask=None):
-    """Targets for an objective from the loader's inputs x and next-token targets y (-1 = ignore).
-    mask: (B, T) True on real tokens of x (None = no padding)."""
-    if objective in ('clm', 'mtp2', 'bidirectional'):
-        return y
-    t = x if mask is None else x.masked_fill(~mask, -1)      # autoencoder: every input token
-    if objective == 'half':                                   # predict the second half from the first
-        t = t.clone()
-        t[:, :half_split(x.shape[1])] = -1
-    return t
-
-
-# ----------------------------------------------------------------------------- accounting
+# =============================================================================================
+# accounting: parameter split, training FLOPs, decoding bytes, peak FLOP/s (reports and MFU)
+# =============================================================================================
 
 def param_counts(model):
     """Parameters split as the paper does: token mixing (mixings, attention), feed-forward,
     embedding (token/position tables and lm head) and other (norms, heads). mixing_effective is
     mixing without the masked-mixing entries no output depends on (about half of a causal n x n)."""
-    groups = {'mixing': (TokenMixing, Mixing, Attention, Attention2),
-              'feedforward': (MLP, SwiGLU, FeedForward2, GatedMLP)}
-    counts, seen = dict(mixing=0, feedforward=0, embedding=0, other=0), set()
-
-    def add(kind, params):
-        for p in params:
-            if id(p) not in seen:
-                seen.add(id(p))
-                counts[kind] += p.numel()
-
-    for kind, types in groups.items():
-        for mod in model.modules():
-            if isinstance(mod, types):
-                add(kind, mod.parameters())
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.Embedding) or name.endswith('lm_head'):
-            add('embedding', mod.parameters())
-    add('other', model.parameters())
+    kinds = [('mixing', (TokenMixing, Mixing, Attention, ELiTAAttention)),
+             ('feedforward', (MLP, SwiGLU, ELiTAFeedForward, GatedMLP)), ('embedding', nn.Embedding)]
+    counts, seen = dict(mixing=0, feedforward=0, embedding=0), set()
+    for kind, types in kinds:  # a parameter counts once, in the first kind that claims it
+        for name, mod in model.named_modules():
+            if isinstance(mod, types) or (kind == 'embedding' and name.endswith('lm_head')):
+                for p in mod.parameters():
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        counts[kind] += p.numel()
+    counts['other'] = sum(p.numel() for p in model.parameters() if id(p) not in seen)
     counts['total'] = sum(counts.values())
     reads = {id(t.mix): t.mix2.n_out for t in model.modules() if isinstance(t, TokenMixing) and t.mix2 is not None}
-    counts['mixing_effective'] = counts['mixing'] - sum(
-        m.unused(min(m.n_out, reads.get(id(m), m.n_out))) for m in model.modules() if isinstance(m, Mixing))
+    unused = 0  # masked entries, and the rows of an expanded mixing that the next one never reads
+    for m in model.modules():
+        if isinstance(m, Mixing):
+            rows = min(m.n_out, reads.get(id(m), m.n_out))
+            kept = int(allowed_positions(m.direction, rows, m.n_in, 0, 'cpu').sum())
+            per_row = m.bias[..., 0, 0].numel()                          # n_convs x heads (x kernel for weights)
+            unused += m.weight.numel() + m.bias.numel() - m.weight[..., 0, 0].numel() * kept - per_row * rows
+    counts['mixing_effective'] = counts['mixing'] - unused
     return counts
 
 
@@ -827,29 +798,27 @@ def flops_per_token(cfg):
     with torch.device('meta'):
         model = build_model(cfg)
     matmul_params = {id(p): p.numel() for p in model.parameters()}
-    for mod in model.modules():
-        if isinstance(mod, nn.Embedding) and mod.weight is not getattr(model, 'lm_head', None).weight:
-            matmul_params.pop(id(mod.weight), None)
     flops = 0
     for mod in model.modules():
-        if isinstance(mod, Mixing):
+        if isinstance(mod, nn.Embedding) and mod.weight is not model.lm_head.weight:
+            matmul_params.pop(id(mod.weight), None)
+        elif isinstance(mod, Mixing):
             matmul_params.pop(id(mod.weight), None)
             matmul_params.pop(id(mod.bias), None)
             flops += 6 * mod.weight[..., 0, 0].numel() * mod.n_out * mod.n_in * mod.channels / cfg.n_ctx
         elif isinstance(mod, Attention):
             flops += 12 * cfg.n_ctx * cfg.d_model
-        elif isinstance(mod, Attention2):
+        elif isinstance(mod, ELiTAAttention):
             flops += 6 * min(ELITA_CHUNK, cfg.n_ctx) * cfg.d_model
     flops += 6 * sum(matmul_params.values())
     return flops * (2 if cfg.objective == 'mtp2' else 1)
 
 
 def decode_bytes(model, pos, batch=1, cached=True):
-    """Bytes one decoding step at window position pos must read: every weight once in its storage
-    dtype, except that embedding tables give one row per sequence and a masked mixing only its
-    row pos, plus per sequence the cache rows it reads (mixing inputs, keys and values); activations
-    and writes are not counted. cached=False (window): all parameter bytes, a loose figure for a
-    step that is compute-bound."""
+    """Bytes one decoding step at window position pos reads: every weight once in its storage dtype,
+    except that an embedding table gives a row per sequence and a masked mixing its row pos, plus per
+    sequence the cache rows read (mixing inputs, keys and values); activations and writes are not counted.
+    cached=False (window): all parameter bytes, a loose figure for a step that is compute-bound."""
     if not cached:
         return sum(p.numel() * p.element_size() for p in model.parameters())
     lm_head = getattr(model, 'lm_head', None)
@@ -869,12 +838,10 @@ def decode_bytes(model, pos, batch=1, cached=True):
 
 
 def measure_peak_flops(device='cpu', dtype=torch.float32, budget=0.25):
-    """The denominator of MFU: the best FLOP/s of a square matmul in dtype on device. The size
-    starts small and doubles (up to 4096) only while the next size fits in what is left of
-    `budget` seconds, so the probe is quick on a fast GPU and on a CPU that emulates bf16 alike.
-    On a CPU one thread is timed and scaled by the thread count: small matmuls on several threads
-    measure thread wake-ups more than arithmetic, badly so on a busy machine."""
-    import time
+    """The denominator of MFU: the best FLOP/s of a square matmul in dtype on device. The size starts
+    small and doubles (up to 4096) while the next size fits in what is left of `budget` seconds, so the
+    probe is quick on a fast GPU and on a CPU that emulates bf16 alike. On a CPU one thread is timed and
+    scaled by the thread count: small matmuls on several threads measure thread wake-ups, not arithmetic."""
     cuda = torch.device(device).type == 'cuda'
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     threads = 1 if cuda else torch.get_num_threads()

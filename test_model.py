@@ -239,9 +239,9 @@ def test_parallel_mixings_are_not_one_flat_mixing():
     mix = par.backbone.blocks[0].layers[0].mix
     x = torch.randn(2, 1, N, D, dtype=torch.float64)
     w, b = mix.weight[:, 0, 0].tril(), mix.bias[:, 0]             # (2, N, N), (2, N, 1)
-    assert torch.allclose(mix(x, M.Ctx(), N)[:, 0], sum(F.gelu(w[i] @ x[:, 0] + b[i]) for i in range(2)))
+    assert torch.allclose(mix(x, M.Context(), N)[:, 0], sum(F.gelu(w[i] @ x[:, 0] + b[i]) for i in range(2)))
     one = flat.backbone.blocks[0].layers[0].mix                   # a single (flat) mixing has no GELU
-    assert torch.allclose(one(x, M.Ctx(), N)[:, 0], one.weight[0, 0, 0].tril() @ x[:, 0] + one.bias[0, 0])
+    assert torch.allclose(one(x, M.Context(), N)[:, 0], one.weight[0, 0, 0].tril() @ x[:, 0] + one.bias[0, 0])
 
 
 def test_checkpoints_from_before_per_mixing_biases_load():
@@ -414,7 +414,7 @@ def test_attention_matches_explicit_computation(arch, padding):
     attn = make(tiny(arch=arch)).backbone.blocks[0].layers[0]
     x = torch.randn(2, N, D, dtype=torch.float64)
     mask = None if padding is None else padded_batch(padding, torch.Generator().manual_seed(0))[1]
-    got = attn(x, M.Ctx(mask=mask))
+    got = attn(x, M.Context(mask=mask))
     assert torch.allclose(got, reference_attention(x, attn, mask), atol=1e-10)
 
 
