@@ -449,6 +449,16 @@ class LanguageModel(nn.Module):
         extending cache: the cached decoding step, a function of its arguments so it can be compiled."""
         return self.lm_head(self.backbone(tok, Context(pos=pos, cache=cache))[:, -1]).float()
 
+    def decode_layout(self):
+        """Store each CPU Linear weight with its longer side contiguous (same values; returns self). A
+        batch-1 step is one GEMV per weight, and MKL streams a weight ~2x faster along its long side
+        (AVX2 EPYC: the 8000 x 256 lm_head at 10 GB/s row-major, 26 GB/s column-major)."""
+        for mod in self.modules():
+            w = getattr(mod, 'weight', None)
+            if isinstance(mod, nn.Linear) and w.device.type == 'cpu' and w.shape[0] > w.shape[1]:
+                w.data = w.data.t().contiguous().t()
+        return self
+
 
 # ----------------------------------------------------------------------------- baselines: llama and GPT-1
 
