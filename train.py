@@ -366,8 +366,8 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
     pieces = rank_pieces(cfg['grad_accum'], cfg['batch_size'], runtime.world, runtime.rank)
     start, saved = step, step if resume is not None else None  # saved: the step of the checkpoint on disk
     train_loss, val_loss, stopped = float('nan'), float('nan'), 'budget'
-    loss_sum, interval_t = torch.zeros((), device=device), 0.0  # since the last log line, which was at
-    logged_step, logged_tokens = step, tokens_seen              # this step and token count
+    loss_sum = torch.zeros((), device=device)  # of the micro-batch losses since the last log line
+    logged_step, logged_tokens, logged_time = step, tokens_seen, train_time  # at the last log line
     raw.train()
     while True:
         progress = budget_used(cfg, step, train_time)
@@ -415,12 +415,11 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
             dist.broadcast(dt_t, 0)
             dt = dt_t.item()
         train_time += dt
-        interval_t += dt
 
         if step % cfg['log_interval'] == 0 or budget_used(cfg, step, train_time) >= 1:
             if runtime.world > 1:
                 dist.all_reduce(loss_sum)
-            n_steps = step - logged_step
+            n_steps, interval_t = step - logged_step, train_time - logged_time
             mean_loss = loss_sum.item() / (n_steps * len(pieces) * runtime.world)
             if not math.isfinite(mean_loss):
                 stopped = diverged(master, 'the training loss', mean_loss, step, out_dir, saved)
@@ -437,7 +436,7 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
                 print(f"step {step} | loss {mean_loss:.4f} | lr {lr:.2e} | {rec['ms_per_step']:.0f} ms/step"
                       f" | {tps:,.0f} tok/s" + (f" | mfu {rec['mfu']:.1%}" if peak else ''))
             loss_sum.zero_()
-            interval_t, logged_step, logged_tokens = 0.0, step, tokens_seen
+            logged_step, logged_tokens, logged_time = step, tokens_seen, train_time
     if log:
         log.close()
     if runtime.world > 1:  # rank 0 may still be writing the checkpoint: tear the group down together
