@@ -2,67 +2,34 @@
 Train a nanomixer model: one readable loop for every arch and objective, on one device or a
 DDP node, with AMP, fixed compute budgets (max_iters and/or max_time), exact resume and MFU logs.
 
-Usage
   python train.py                                   # DEFAULTS below; CUDA if present, else CPU
-  python train.py config/demo.py                    # a preset (plain `key = value` lines) ...
-  python train.py config/demo.py --max_time=60      # ... then --key=value overrides
+  python train.py config/demo.py --max_time=60      # a preset (`key = value` lines), then overrides
   python train.py config/demo.py --init_from=resume # continue out_dir/ckpt.pt exactly
   torchrun --standalone --nproc_per_node=4 train.py config/fineweb_mixer.py     # one node
   torchrun --nnodes=2 --nproc_per_node=4 --node_rank=0 --rdzv_backend=c10d \
-           --rdzv_endpoint=HOST:29500 train.py config/fineweb_mixer.py
-           # two nodes: the same line on each node, with --node_rank=0 and --node_rank=1
+           --rdzv_endpoint=HOST:29500 train.py config/fineweb_mixer.py  # each node, its --node_rank
 
-Batches. An optimizer step averages grad_accum micro-batches of batch_size sequences of n_ctx
-tokens, whatever the number of processes, so a preset is the same experiment on 1 GPU or 8. The
-micro-batches are dealt out to the DDP ranks (4 GPUs, grad_accum=4: one each); where the ranks
-outnumber them, each micro-batch is cut into equal row shards (the defaults, grad_accum=1 and
-batch_size=16, run on 1, 2, 4, 8 or 16 processes as they are). Micro-batch j of step s is a pure
-function of (seed, split, s, j), so ranks read disjoint rows, a run's data does not depend on its
-world size, and resuming needs only the step.
+Batches and determinism. An optimizer step averages grad_accum micro-batches of batch_size
+sequences of n_ctx tokens whatever the number of processes, so a preset is the same experiment on
+1 GPU or 8: the micro-batches are dealt out to the DDP ranks, and where the ranks outnumber them
+each is cut into equal row shards (rank_pieces). Micro-batch j of step s is a pure function of
+(seed, split, s, j), so ranks read disjoint rows and a run's data does not depend on its world
+size. Nothing in training draws from the global RNGs (no model has dropout), so a checkpoint's
+weights, AdamW moments, loss scale and counters are all a resumed run needs to end bit-identical.
 
-Precision. --dtype=auto (the default) picks bf16 autocast on CUDA GPUs that have it (fp16 with a
-GradScaler on those that don't) and on CPUs that multiply bf16 natively (AVX512-BF16, AMX), and
-float32 on every other CPU, where bf16 is emulated hundreds of times slower. The first log line
-says what was chosen and why; an explicit --dtype wins. NANOMIXER_NO_BF16=1 forces the fallback.
+Budget and precision. The run stops when step reaches max_iters or the training time (evaluation
+excluded) reaches max_time seconds, whichever comes first (0 = no limit); the learning rate warms
+up, then decays as that budget is used (get_lr), so time-budgeted runs are fair but not
+bit-reproducible (step budgets are). --dtype=auto picks bf16 autocast where the hardware has it
+and float32 on CPUs that would emulate it (choose_dtype); the first log line says why.
 
-Compute budget. The run stops when step reaches max_iters or the training time (evaluation
-excluded) reaches max_time seconds, whichever comes first (0 = no limit), then evaluates and
-saves. The learning rate warms up for warmup_iters steps, then decays (linear as in the paper,
-or cosine) to min_lr as the budget is used up; with max_time the budget fraction is measured in
-time, so time-budgeted runs are fair but not bit-reproducible (step budgets are).
-
-Files in out_dir: ckpt.pt (last), best.pt (lowest val loss), log.jsonl (one JSON object per
-log line and per evaluation; a resumed run first drops records past its checkpoint's step). A
-scratch run refuses an out_dir that holds a run: resume it, pass --overwrite, or use a new out_dir.
-
-Reusable API (retrieve.py imports these names; they are stable)
-  DEFAULTS / LOOP_DEFAULTS       every train.py key / the keys that `fit` and `setup_runtime` read
-  setup_runtime(cfg) -> Runtime  DDP from torchrun's env vars (nccl on CUDA, gloo on CPU),
-        device, autocast dtype, GradScaler, seeded; rt.autocast(), rt.master, rt.close()
-  configure_optimizer(model, lr, weight_decay, device_type) -> AdamW (decay on >= 2-D weights,
-        fused or foreach kernels where available)
-  get_lr(cfg, step, progress) -> float   warmup by steps, then decay by budget fraction progress
-  fit(cfg, rt, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_token=None) -> dict
-        the training loop. get_batch(split, step, micro, shard=0, shards=1) -> tuple of CPU
-        tensors (the first one's numel counts as tokens; None entries allowed), a pure function
-        of its arguments: row shard `shard` of `shards` of micro-batch `micro` (see rank_pieces);
-        step=None asks for the fixed evaluation batch number `micro`. loss_fn(model, batch) ->
-        scalar loss; it must call model(...) (DDP hooks live in forward). ckpt_extra: entries
-        written into every checkpoint besides the loop's own (kind, model_config, data, ...).
-        resume: a checkpoint dict from load_checkpoint to continue exactly. Returns dict(step,
-        tokens_seen, train_time, train_loss, val_loss, best_val, stopped) with stopped one of
-        'budget' or 'diverged' (non-finite loss: nothing saved, the last checkpoint is kept).
-  save_checkpoint(obj, path)     atomic: write a temp file, fsync, os.replace
-  load_checkpoint(path, map_location='cpu') -> dict   one-line errors for missing/corrupt files
-  model_from_checkpoint(ckpt) -> nn.Module            rebuild a train.py model, eval mode
-  Batches(cfg, meta, data_dir)   train.py's get_batch over prepare.py's memmaps
+Files in out_dir: ckpt.pt (last), best.pt (lowest val loss), log.jsonl (one JSON object per log
+line and per evaluation; a resumed run first drops records past its checkpoint's step). A scratch
+run refuses an out_dir that holds a run: resume it, pass --overwrite, or use a new out_dir.
+retrieve.py trains through setup_runtime and fit; the other scripts share the dtype, device and
+checkpoint helpers.
 """
-import json
-import math
-import os
-import random
-import sys
-import time
+import functools, json, math, os, sys, time, timeit
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -73,7 +40,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import ModelConfig, build_model, flops_per_token, measure_peak_flops, objective_targets
-from prepare import parse_args, run_main, write_atomic
+from prepare import SPLITS, parse_args, run_main, write_atomic
 
 # ----------------------------------------------------------------------------- configuration
 
@@ -109,7 +76,6 @@ DEFAULTS = dict(
 CHOICES = dict(batch_mode=('packed', 'documents'), padding=('right', 'left'), schedule=('linear', 'cosine'),
                dtype=('auto', 'bfloat16', 'float16', 'float32'), init_from=('scratch', 'resume'))
 MODEL_KEYS = [f.name for f in fields(ModelConfig) if f.name != 'vocab_size']
-SPLITS = ('train', 'val')
 
 
 # ----------------------------------------------------------------------------- runtime
@@ -118,18 +84,13 @@ SPLITS = ('train', 'val')
 # other GPUs, and float32, are measured.
 GPU_PEAK_TFLOPS = {'H200': 989, 'H100 PCIe': 756, 'H100': 989, 'A100': 312, 'L40S': 362, 'V100': 125}
 NO_BF16_ENV = 'NANOMIXER_NO_BF16'  # =1: treat the CPU as one without native bf16 (tests force the fallback)
-_peaks, _cpu_probe = {}, []
+_cpu_probe = []  # cpu_bf16's answer, found once per process
 
 
 def matmul_seconds(dtype, n=256, reps=3):
     """Best time of an n x n matmul on the CPU (a few ms unless the dtype is emulated)."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    best = float('inf')
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return min(timeit.repeat(lambda: a @ b, number=1, repeat=reps))
 
 
 def cpu_bf16():
@@ -190,35 +151,31 @@ def autocast(device, dtype):
     return nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype)
 
 
+@functools.cache
+def peak_flops(device, dtype):
+    """MFU denominator for the dtype in use: the datasheet peak of a known GPU, else a short
+    measured matmul (model.measure_peak_flops, about a quarter of a second, once per process)."""
+    name = torch.cuda.get_device_name(device) if device.type == 'cuda' else ''
+    table = [v for k, v in GPU_PEAK_TFLOPS.items() if k in name and dtype != torch.float32]
+    return table[0] * 1e12 if table else measure_peak_flops(device, dtype)
+
+
 @dataclass
 class Runtime:
+    """Where this process trains: device, autocast dtype (and why), GradScaler, DDP rank and world size."""
     device: torch.device
     dtype: torch.dtype
     scaler: torch.amp.GradScaler
     rank: int = 0
-    local_rank: int = 0
     world: int = 1
-    why: str = ''  # why this dtype (printed in the first log line)
+    why: str = ''  # printed in the first log line
 
     @property
     def master(self):  # the process that logs and saves
         return self.rank == 0
 
-    def autocast(self):
-        return autocast(self.device, self.dtype)
-
     def describe(self):
         return f"{self.device} {str(self.dtype)[6:]} ({self.why})"
-
-    def peak_flops(self):
-        """MFU denominator for the dtype in use: datasheet peak for known GPUs, else a short
-        measured matmul (model.measure_peak_flops, about a quarter of a second)."""
-        key = (str(self.device), self.dtype)
-        if key not in _peaks:
-            name = torch.cuda.get_device_name(self.device) if self.device.type == 'cuda' else ''
-            table = [v for k, v in GPU_PEAK_TFLOPS.items() if k in name and self.dtype != torch.float32]
-            _peaks[key] = table[0] * 1e12 if table else measure_peak_flops(self.device, self.dtype)
-        return _peaks[key]
 
     def close(self):
         if self.world > 1 and dist.is_initialized():
@@ -254,7 +211,7 @@ def setup_runtime(cfg):
         dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo')
     torch.manual_seed(cfg['seed'])  # identical initial weights on every rank
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    return Runtime(device, dtype, scaler, rank, local_rank, world, why)
+    return Runtime(device, dtype, scaler, rank, world, why)
 
 
 def configure_optimizer(model, lr, weight_decay, device_type, betas=(0.9, 0.999)):
@@ -284,7 +241,10 @@ def budget_used(cfg, step, train_time):
     return max(steps, train_time / cfg['max_time'] if cfg['max_time'] else 0.0)
 
 
-# ----------------------------------------------------------------------------- checkpoints
+# ----------------------------------------------------------------------------- checkpoints and out_dir
+
+RUN_FILES = ('ckpt.pt', 'best.pt', 'log.jsonl')  # what makes out_dir hold a run
+
 
 def save_checkpoint(obj, path):
     """Atomic (prepare.write_atomic): a crash never leaves a half-written checkpoint."""
@@ -294,7 +254,7 @@ def save_checkpoint(obj, path):
 def load_checkpoint(path, map_location='cpu'):
     path = str(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint at {path}: train one with python train.py (or pass the right out_dir)")
+        raise ValueError(f"no checkpoint at {path}: train one with python train.py (or pass the right out_dir)")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated zip, wrong file, pickled classes: all the same to the user
@@ -314,28 +274,10 @@ def model_from_checkpoint(ckpt):
     return model.eval()
 
 
-def rng_state():
-    """Every RNG as checkpoint-safe values (weights_only: lists and tensors, no numpy arrays)."""
-    np_state = np.random.get_state(legacy=False)
-    np_state['state']['key'] = np_state['state']['key'].tolist()
-    return {'python': random.getstate(), 'numpy': np_state, 'torch': torch.get_rng_state(),
-            'cuda': torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-
-
-def set_rng_state(state):
-    random.setstate((state['python'][0], tuple(state['python'][1]), state['python'][2]))
-    np_state = dict(state['numpy'], state=dict(state['numpy']['state']))
-    np_state['state']['key'] = np.array(np_state['state']['key'], dtype=np.uint32)
-    np.random.set_state(np_state)
-    torch.set_rng_state(state['torch'])
-    if state['cuda'] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state['cuda'])
-
-
 def check_out_dir(out_dir, fresh=False, overwrite=False, flag='out_dir', resumable=True):
     """Fail before any work if out_dir cannot be written, or if a fresh (not resumed) run would
     replace the run it holds and the user did not say --overwrite."""
-    held = [f for f in ('ckpt.pt', 'best.pt', 'log.jsonl') if os.path.isfile(os.path.join(out_dir, f))]
+    held = [f for f in RUN_FILES if os.path.isfile(os.path.join(out_dir, f))]
     writer = int(os.environ.get('RANK', 0)) == 0  # DDP: only rank 0 writes; the others may look after it began
     if fresh and held and not overwrite and writer:
         resume = "continue it with --init_from=resume, " if resumable else ""
@@ -363,13 +305,11 @@ def check_output_file(path, flag):
 
 
 def remove_leftovers(out_dir, fresh):
-    """Delete the temp files of a killed run (NAME.tmpPID whose process is gone) and, for a fresh
-    run (which the user allowed with --overwrite), the previous run's checkpoints and log."""
+    """Delete the temp files of killed runs (NAME.tmpPID whose process is gone) and, for a fresh
+    run (the user said --overwrite), the previous run's checkpoints and log."""
     for name in os.listdir(out_dir):
         _, tmp, pid = name.rpartition('.tmp')
-        if tmp and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-            os.remove(os.path.join(out_dir, name))
-        elif fresh and name in ('ckpt.pt', 'best.pt', 'log.jsonl'):
+        if tmp and pid.isdigit() and not pid_alive(int(pid)) or fresh and name in RUN_FILES:
             os.remove(os.path.join(out_dir, name))
 
 
@@ -378,169 +318,172 @@ def pid_alive(pid):
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:  # exists, but not ours
+    except OSError:  # alive, but another user's
         pass
     return True
 
 
 def trim_log(path, step):
-    """Drop log records past `step` (written by a run that died after its last checkpoint)."""
-    if not os.path.exists(path):
-        return
-    keep = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            if json.loads(line)['step'] <= step:
-                keep.append(line + '\n')
-        except (ValueError, KeyError, TypeError):
-            pass  # a line cut short by kill -9
-    write_atomic(path, ''.join(keep))
+    """Drop the log records past `step`, written by a run that died after its last checkpoint
+    (a last line without its newline was cut short by kill -9)."""
+    if os.path.exists(path):
+        lines = Path(path).read_text().splitlines(keepends=True)
+        write_atomic(path, ''.join(r for r in lines if r.endswith('\n') and json.loads(r)['step'] <= step))
 
 
 # ----------------------------------------------------------------------------- the loop
 
-def fit(cfg, rt, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_token=None):
-    """Train `model` until the budget is spent; evaluate and checkpoint every eval_interval."""
-    check_out_dir(cfg['out_dir'], resume is None, cfg.get('overwrite', False))
-    if rt.master:
-        remove_leftovers(cfg['out_dir'], resume is None)
-    ckpt_path, log_path = (os.path.join(cfg['out_dir'], f) for f in ('ckpt.pt', 'log.jsonl'))
-    raw = model.to(rt.device)
-    optimizer = configure_optimizer(raw, cfg['lr'], cfg['weight_decay'], rt.device.type)
-    st = dict(step=0, tokens_seen=0, train_time=0.0, best_val=float('inf'))
-    if resume is not None:  # everything a step depends on: weights, AdamW, scaler, counters, RNGs
+def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_token=None):
+    """Train `model` until the budget is spent, evaluating and checkpointing every eval_interval.
+    get_batch(split, step, micro, shard=0, shards=1) -> a tuple of CPU tensors (None entries pass
+    through; the first one's numel counts as tokens): row shard `shard` of `shards` of micro-batch
+    `micro` of `step` (see rank_pieces; step=None: evaluation batch `micro`), a pure function of its
+    arguments. loss_fn(model, batch) -> scalar loss; it must call model(...), where DDP's hooks are.
+    ckpt_extra goes into every checkpoint; resume (a checkpoint dict) is continued exactly.
+    Returns dict(step, tokens_seen, train_time, best_val, train_loss, val_loss, stopped), stopped
+    'budget' or 'diverged' (a non-finite loss: nothing more is saved, the last checkpoint stays)."""
+    out_dir, device, scaler, master = cfg['out_dir'], runtime.device, runtime.scaler, runtime.master
+    log_path = os.path.join(out_dir, 'log.jsonl')
+    check_out_dir(out_dir, resume is None, cfg['overwrite'])
+    if master:
+        remove_leftovers(out_dir, resume is None)
+    raw = model.to(device)
+    optimizer = configure_optimizer(raw, cfg['lr'], cfg['weight_decay'], device.type)
+    step, tokens_seen, train_time, best_val = 0, 0, 0.0, float('inf')
+    if resume is not None:  # what save() wrote (older checkpoints also hold rng and data_state: unused)
         raw.load_state_dict(resume['model'])
         optimizer.load_state_dict(resume['optimizer'])
-        if rt.scaler.is_enabled() and resume.get('scaler'):
-            rt.scaler.load_state_dict(resume['scaler'])
-        st.update({k: resume[k] for k in st})
-        set_rng_state(resume['rng'])
-        if rt.master:
-            trim_log(log_path, st['step'])
+        if scaler.is_enabled() and resume.get('scaler'):
+            scaler.load_state_dict(resume['scaler'])
+        step, tokens_seen, train_time, best_val = (resume[k] for k in ('step', 'tokens_seen', 'train_time', 'best_val'))
+        if master:
+            trim_log(log_path, step)
     net = torch.compile(raw) if cfg['compile'] else raw
-    ddp = DDP(net, device_ids=[rt.device.index] if rt.device.type == 'cuda' else None,
-              forward_sync_buffers=False) if rt.world > 1 else net  # buffers (RoPE tables) are constant
-    log = open(log_path, 'a') if rt.master else None
-    peak = rt.peak_flops() if flops_per_token else None
-    pieces, start = rank_pieces(cfg['grad_accum'], cfg['batch_size'], rt.world, rt.rank), st['step']
-    loss_sum, n_micro, interval_t, interval_tokens, lr = torch.zeros((), device=rt.device), 0, 0.0, 0, 0.0
-    result = dict(train_loss=float('nan'), val_loss=float('nan'), stopped='budget')
-    saved = start if resume is not None else None  # step of the checkpoint on disk
-
-    def record(**rec):
-        if rt.master:  # non-finite numbers as null: NaN is not JSON
-            rec = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in rec.items()}
-            log.write(json.dumps(dict(step=st['step'], **rec)) + '\n')
-            log.flush()
-
-    def diverged(what, value):
-        if rt.master:
-            last = f"{ckpt_path} (step {saved})" if saved is not None else "none (nothing was saved)"
-            print(f"error: {what} is {value} at step {st['step']}: training stopped; the last good checkpoint is "
-                  f"{last}. Lower --lr or keep --grad_clip on", file=sys.stderr)
-        result['stopped'] = 'diverged'
-
+    ddp = DDP(net, device_ids=[device.index] if device.type == 'cuda' else None,
+              forward_sync_buffers=False) if runtime.world > 1 else net  # buffers (RoPE tables) are constant
+    log = open(log_path, 'a') if master else None
+    peak = peak_flops(device, runtime.dtype) if flops_per_token else None
+    pieces = rank_pieces(cfg['grad_accum'], cfg['batch_size'], runtime.world, runtime.rank)
+    start, saved = step, step if resume is not None else None  # saved: the step of the checkpoint on disk
+    train_loss, val_loss, stopped = float('nan'), float('nan'), 'budget'
+    loss_sum = torch.zeros((), device=device)  # of the micro-batch losses since the last log line
+    logged_step, logged_tokens, logged_time = step, tokens_seen, train_time  # at the last log line
     raw.train()
     while True:
-        progress = budget_used(cfg, st['step'], st['train_time'])
-        done = progress >= 1.0
-        if done or (st['step'] % cfg['eval_interval'] == 0 and (st['step'] > start or start == 0)):
-            losses = evaluate(cfg, rt, net, get_batch, loss_fn)
-            result.update(train_loss=losses['train'], val_loss=losses['val'])
-            record(train_loss=losses['train'], val_loss=losses['val'], tokens_seen=st['tokens_seen'],
-                   time=round(st['train_time'], 3))
-            if not all(map(math.isfinite, losses.values())):
-                diverged('the evaluation loss', losses)
+        progress = budget_used(cfg, step, train_time)
+        if progress >= 1 or (step % cfg['eval_interval'] == 0 and (step > start or start == 0)):
+            losses = evaluate(cfg, runtime, net, get_batch, loss_fn)
+            train_loss, val_loss = losses['train'], losses['val']
+            write_log(log, step=step, train_loss=train_loss, val_loss=val_loss, tokens_seen=tokens_seen,
+                      time=round(train_time, 3))
+            if not (math.isfinite(train_loss) and math.isfinite(val_loss)):
+                stopped = diverged(master, 'the evaluation loss', losses, step, out_dir, saved)
                 break
-            improved = losses['val'] < st['best_val']
-            st['best_val'] = min(st['best_val'], losses['val'])
-            if rt.master:
-                print(f"step {st['step']}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-                if st['step'] > 0:
-                    ckpt = {**ckpt_extra, **st, 'model': raw.state_dict(), 'optimizer': optimizer.state_dict(),
-                            'scaler': rt.scaler.state_dict() if rt.scaler.is_enabled() else None,
-                            'rng': rng_state(), 'data_state': dict(seed=cfg['seed'], step=st['step']),
-                            'config': cfg}
-                    if improved:  # best first: a crash between the two leaves both consistent
-                        save_checkpoint(ckpt, os.path.join(cfg['out_dir'], 'best.pt'))
-                    save_checkpoint(ckpt, ckpt_path)
-                    saved = st['step']
-        if done:
+            improved, best_val = val_loss < best_val, min(best_val, val_loss)
+            if master:
+                print(f"step {step}: train loss {train_loss:.4f}, val loss {val_loss:.4f}")
+                if step > 0:
+                    save(cfg, raw, optimizer, scaler, ckpt_extra, improved,
+                         step=step, tokens_seen=tokens_seen, train_time=train_time, best_val=best_val)
+                    saved = step
+        if progress >= 1:
             break
 
-        # one optimizer step: this rank's micro-batches (or row shards of them), gradients averaged by DDP
+        # one optimizer step: this rank's micro-batches (or row shards of them); DDP averages the gradients
         t0 = time.perf_counter()
-        lr = get_lr(cfg, st['step'], progress)
+        lr = get_lr(cfg, step, progress)
         for group in optimizer.param_groups:
             group['lr'] = lr
-        tokens = 0
         for i, (micro, shard, shards) in enumerate(pieces):
-            batch = to_device(get_batch('train', st['step'], micro, shard, shards), rt.device)
-            sync = i == len(pieces) - 1 or rt.world == 1
-            with nullcontext() if sync else ddp.no_sync(), rt.autocast():
+            batch = to_device(get_batch('train', step, micro, shard, shards), device)
+            sync = i == len(pieces) - 1 or runtime.world == 1  # DDP all-reduces in the last backward only
+            with nullcontext() if sync else ddp.no_sync(), autocast(device, runtime.dtype):
                 loss = loss_fn(ddp, batch)
-            rt.scaler.scale(loss / len(pieces)).backward()
+            scaler.scale(loss / len(pieces)).backward()
             loss_sum += loss.detach()
-            tokens += batch[0].numel() * rt.world  # this step's, over all ranks
-        st['tokens_seen'] += tokens
-        interval_tokens += tokens
+            tokens_seen += batch[0].numel() * runtime.world  # every rank's share is this size
         if cfg['grad_clip']:
-            rt.scaler.unscale_(optimizer)
+            scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg['grad_clip'])
-        rt.scaler.step(optimizer)
-        rt.scaler.update()
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        st['step'] += 1
-        n_micro += len(pieces)
+        step += 1
         dt = time.perf_counter() - t0
-        if cfg['max_time'] and rt.world > 1:  # every rank follows rank 0's clock (lr and stop)
-            dt_t = torch.tensor([dt], dtype=torch.float64, device=rt.device)
+        if cfg['max_time'] and runtime.world > 1:  # every rank follows rank 0's clock (lr and stop)
+            dt_t = torch.tensor([dt], dtype=torch.float64, device=device)
             dist.broadcast(dt_t, 0)
             dt = dt_t.item()
-        st['train_time'] += dt
-        interval_t += dt
+        train_time += dt
 
-        if st['step'] % cfg['log_interval'] == 0 or budget_used(cfg, st['step'], st['train_time']) >= 1:
-            if rt.world > 1:
+        if step % cfg['log_interval'] == 0 or budget_used(cfg, step, train_time) >= 1:
+            if runtime.world > 1:
                 dist.all_reduce(loss_sum)
-            train_loss = loss_sum.item() / (n_micro * rt.world)
-            if not math.isfinite(train_loss):
-                diverged('the training loss', train_loss)
+            n_steps, interval_t = step - logged_step, train_time - logged_time
+            mean_loss = loss_sum.item() / (n_steps * len(pieces) * runtime.world)
+            if not math.isfinite(mean_loss):
+                stopped = diverged(master, 'the training loss', mean_loss, step, out_dir, saved)
                 break
-            n_steps = n_micro // len(pieces)
-            tps = interval_tokens / interval_t
-            rec = dict(loss=round(train_loss, 5), lr=lr, ms_per_step=round(1000 * interval_t / n_steps, 2),
-                       tokens_per_s=round(tps, 1), tokens_seen=st['tokens_seen'])
+            tps = (tokens_seen - logged_tokens) / interval_t
+            rec = dict(loss=round(mean_loss, 5), lr=lr, ms_per_step=round(1000 * interval_t / n_steps, 2),
+                       tokens_per_s=round(tps, 1), tokens_seen=tokens_seen)
             if cfg['grad_clip']:
                 rec['grad_norm'] = round(grad_norm.item(), 4)
             if peak:
-                rec['mfu'] = round(flops_per_token * tps / (peak * rt.world), 4)
-            record(**rec)
-            if rt.master:
-                print(f"step {st['step']} | loss {train_loss:.4f} | lr {lr:.2e} | {rec['ms_per_step']:.0f} ms/step"
+                rec['mfu'] = round(flops_per_token * tps / (peak * runtime.world), 4)
+            write_log(log, step=step, **rec)
+            if master:
+                print(f"step {step} | loss {mean_loss:.4f} | lr {lr:.2e} | {rec['ms_per_step']:.0f} ms/step"
                       f" | {tps:,.0f} tok/s" + (f" | mfu {rec['mfu']:.1%}" if peak else ''))
             loss_sum.zero_()
-            n_micro, interval_t, interval_tokens = 0, 0.0, 0
+            logged_step, logged_tokens, logged_time = step, tokens_seen, train_time
     if log:
         log.close()
-    if rt.world > 1:  # rank 0 may still be writing the checkpoint: tear the group down together
+    if runtime.world > 1:  # rank 0 may still be writing the checkpoint: tear the group down together
         dist.barrier()
-    return dict(step=st['step'], tokens_seen=st['tokens_seen'], train_time=st['train_time'],
-                best_val=st['best_val'], **result)
+    return dict(step=step, tokens_seen=tokens_seen, train_time=train_time, best_val=best_val,
+                train_loss=train_loss, val_loss=val_loss, stopped=stopped)
+
+
+def save(cfg, model, optimizer, scaler, ckpt_extra, best, **counters):
+    """Checkpoint to out_dir/ckpt.pt, after best.pt when the val loss improved (a crash between the
+    two leaves both whole). Weights, AdamW moments, the loss scale and the counters are all the next
+    step depends on: batches are keyed by step and nothing draws from the global RNGs."""
+    ckpt = {**ckpt_extra, **counters, 'model': model.state_dict(), 'optimizer': optimizer.state_dict(),
+            'scaler': scaler.state_dict() if scaler.is_enabled() else None, 'config': cfg}
+    for name in ('best.pt', 'ckpt.pt') if best else ('ckpt.pt',):
+        save_checkpoint(ckpt, os.path.join(cfg['out_dir'], name))
+
+
+def write_log(log, **record):
+    """One JSON line of log.jsonl (log is None on ranks other than 0); NaN is not JSON: null."""
+    if log:
+        log.write(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                              for k, v in record.items()}) + '\n')
+        log.flush()
+
+
+def diverged(master, what, value, step, out_dir, saved):
+    """Say that training blew up, and where the last good checkpoint is; fit's `stopped`."""
+    if master:
+        last = f"{os.path.join(out_dir, 'ckpt.pt')} (step {saved})" if saved is not None else "none (nothing was saved)"
+        print(f"error: {what} is {value} at step {step}: training stopped; the last good checkpoint is "
+              f"{last}. Lower --lr or keep --grad_clip on", file=sys.stderr)
+    return 'diverged'
 
 
 @torch.no_grad()
-def evaluate(cfg, rt, model, get_batch, loss_fn):
+def evaluate(cfg, runtime, model, get_batch, loss_fn):
     """Mean loss over the eval_iters fixed batches of each split (shared out over the ranks)."""
     model.eval()
     out = {}
     for split in SPLITS:
-        total = torch.zeros(2, device=rt.device, dtype=torch.float64)  # (sum of losses, count)
-        for i in range(rt.rank, cfg['eval_iters'], rt.world):
-            with rt.autocast():
-                total[0] += loss_fn(model, to_device(get_batch(split, None, i), rt.device)).double()
+        total = torch.zeros(2, device=runtime.device, dtype=torch.float64)  # (sum of losses, count)
+        for i in range(runtime.rank, cfg['eval_iters'], runtime.world):
+            with autocast(runtime.device, runtime.dtype):
+                total[0] += loss_fn(model, to_device(get_batch(split, None, i), runtime.device)).double()
             total[1] += 1
-        if rt.world > 1:
+        if runtime.world > 1:
             dist.all_reduce(total)
         out[split] = (total[0] / total[1]).item()
     model.train()
@@ -557,7 +500,7 @@ def to_device(batch, device):
 def load_meta(data_dir):
     path = os.path.join(data_dir, 'meta.json')
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no prepared data at {data_dir}: run python prepare.py (or pass --data_dir)")
+        raise ValueError(f"no prepared data at {data_dir}: run python prepare.py (or pass --data_dir)")
     try:
         meta = json.loads(Path(path).read_text())
         np.dtype(meta['dtype'])
@@ -568,9 +511,14 @@ def load_meta(data_dir):
     return meta
 
 
+def batch_rng(cfg, split, step, micro):
+    """The numpy Generator of one micro-batch (step None: evaluation batch `micro`): a pure function
+    of its arguments, so DDP ranks draw disjoint batches and a resumed run draws the same ones."""
+    return np.random.default_rng([cfg['seed'], SPLITS.index(split), int(step is not None), step or 0, micro])
+
+
 class Batches:
-    """get_batch for language modelling over prepare.py's outputs: micro-batch `micro` of
-    `step` is drawn with its own numpy Generator, so it depends on nothing else."""
+    """get_batch for language modelling over prepare.py's outputs (see fit)."""
 
     def __init__(self, cfg, meta, data_dir):
         self.cfg, self.n = cfg, cfg['n_ctx']
@@ -581,7 +529,7 @@ class Batches:
         for split in SPLITS:
             path = os.path.join(data_dir, f'{split}.bin')
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"no prepared data at {path}: run python prepare.py (or pass --data_dir)")
+                raise ValueError(f"no prepared data at {path}: run python prepare.py (or pass --data_dir)")
             size, itemsize = os.path.getsize(path), np.dtype(meta['dtype']).itemsize
             if size != meta.get(f'{split}_tokens', size // itemsize) * itemsize or size % itemsize:
                 raise ValueError(f"{path} has {size} bytes but {data_dir}/meta.json says {meta.get(f'{split}_tokens')} "
@@ -607,8 +555,7 @@ class Batches:
         """(x, targets, mask): x (B, n_ctx) inputs, targets for the objective, mask (B, n_ctx) or None.
         With shards > 1 only rows [shard * B/shards, (shard + 1) * B/shards) of the micro-batch."""
         cfg, n, tokens, B = self.cfg, self.n, self.tokens[split], self.cfg['batch_size']
-        key = [cfg['seed'], SPLITS.index(split), 0 if step is None else 1, step or 0, micro]
-        rng = np.random.default_rng(key)
+        rng = batch_rng(cfg, split, step, micro)
         rows = slice(shard * B // shards, (shard + 1) * B // shards)
         if cfg['batch_mode'] == 'packed':  # nanoGPT: random windows of n_ctx + 1 tokens
             offsets = rng.integers(0, len(tokens) - n, size=B)[rows]
@@ -631,11 +578,6 @@ class Batches:
         return x, objective_targets(cfg['objective'], x, y, mask), mask
 
 
-def lm_loss(model, batch):
-    x, targets, mask = batch
-    return model(x, targets=targets, mask=mask)[1]
-
-
 # ----------------------------------------------------------------------------- main
 
 def main(argv=None):
@@ -654,22 +596,22 @@ def train_lm(argv):
         resume = load_checkpoint(path)
         check_resumable(resume, path, mcfg)
     get_batch = Batches(cfg, meta, cfg['data_dir'])
-    rt = setup_runtime(cfg)
+    runtime = setup_runtime(cfg)
     try:
-        check_out_dir(cfg['out_dir'], resume is None, cfg['overwrite'])
         model = build_model(mcfg)
-        if rt.master:
+        if runtime.master:
             print(f"{mcfg.arch} {mcfg.objective}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-                  f"{rt.describe()}, {rt.world} process(es), "
+                  f"{runtime.describe()}, {runtime.world} process(es), "
                   f"{cfg['batch_size'] * cfg['grad_accum'] * mcfg.n_ctx:,} tokens per step")
         extra = {'kind': 'lm', 'model_config': asdict(mcfg),
                  'data': {'data_dir': os.path.abspath(cfg['data_dir']), 'meta': meta}}
-        stats = fit(cfg, rt, model, get_batch, lm_loss, extra, resume, flops_per_token(mcfg))
+        loss_fn = lambda model, batch: model(batch[0], targets=batch[1], mask=batch[2])[1]  # batch: (x, targets, mask)
+        stats = fit(cfg, runtime, model, get_batch, loss_fn, extra, resume, flops_per_token(mcfg))
     finally:
-        rt.close()
+        runtime.close()
     if stats['stopped'] == 'diverged':
         return 1
-    if rt.master:
+    if runtime.master:
         print(f"done: step {stats['step']}, {stats['train_time']:.1f} s of training, val loss {stats['val_loss']:.4f} "
               f"(best {stats['best_val']:.4f}); checkpoint in {cfg['out_dir']}/ckpt.pt")
     return 0
