@@ -500,7 +500,7 @@ def parse_args(argv, defaults, choices=None, doc=None, positional=None):
         cfg[key] = typed(key, value, defaults, 'the command line')
     for key, allowed in (choices or {}).items():
         if cfg[key] not in allowed:
-            raise ValueError(f"{key}={cfg[key]!r} is invalid: use one of {', '.join(allowed)}")
+            raise ValueError(f"--{key}={cfg[key]!r} is invalid: use one of {', '.join(allowed)}")
     for key, low in LOWEST.items():
         if key in cfg and not low <= cfg[key] < 2 ** 63:
             raise ValueError(f"--{key}={cfg[key]!r} is out of range: use a value >= {low}" + " (and < 2**63)" * (cfg[key] > 0))
@@ -536,7 +536,7 @@ def typed(key, value, defaults, source):
     if key not in defaults:
         close = difflib.get_close_matches(key, defaults, n=3)
         hint = f"did you mean {', '.join('--' + c for c in close)}?" if close else "see --help for the keys"
-        raise ValueError(f"unknown key {key!r} in {source}: {hint}")
+        raise ValueError(f"unknown key --{key} in {source}: {hint}")
     kind = type(defaults[key])
     if isinstance(value, str) and kind is not str:
         words = {'true': True, '1': True, 'yes': True, 'false': False, '0': False, 'no': False}
