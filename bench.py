@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from model import Backbone, Context, ModelConfig, build_model, decode_bytes, flops_per_token, measure_peak_flops
-from train import CHOICES, autocast, check_output_file, choose_dtype, resolve_device
+from prepare import check_output_file
+from train import CHOICES, autocast, choose_dtype, resolve_device
 
 MODES = ('throughput', 'memory', 'generate', 'represent', 'retrieval', 'all')
 

@@ -582,6 +582,58 @@ def write_atomic(path, data):
             os.remove(tmp)
 
 
+RUN_FILES = ('ckpt.pt', 'best.pt', 'log.jsonl')  # what makes an out_dir hold a training run
+
+
+def check_out_dir(out_dir, fresh=False, overwrite=False, flag='out_dir', resumable=True):
+    """Fail before any work if out_dir cannot be written, or if a fresh (not resumed) run would
+    replace the run it holds and the user did not say --overwrite."""
+    held = [f for f in RUN_FILES if os.path.isfile(os.path.join(out_dir, f))]
+    writer = int(os.environ.get('RANK', 0)) == 0  # DDP: only rank 0 writes; the others may look after it began
+    if fresh and held and not overwrite and writer:
+        resume = "continue it with --init_from=resume, " if resumable else ""
+        raise ValueError(f"out_dir {out_dir} already holds a run ({', '.join(held)}): {resume}replace it with "
+                         f"--overwrite, or pass a new --out_dir")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f'.write_test{os.getpid()}')
+        open(probe, 'w').close()
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"cannot write to {flag} {out_dir} ({e.strerror or e}): pass a writable --{flag}") from None
+
+
+def check_output_file(path, flag):
+    """Fail before the work that fills an output file, not after it, if it cannot be written there."""
+    if os.path.isdir(path):
+        raise ValueError(f"--{flag}={path} is a folder: name a file")
+    probe = f"{path}.tmp{os.getpid()}"
+    try:
+        open(probe, 'w').close()
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"cannot write --{flag}={path} ({e.strerror or e}): name a file in a writable folder") from None
+
+
+def remove_leftovers(out_dir, fresh):
+    """Delete the temp files of killed runs (NAME.tmpPID whose process is gone) and, for a fresh
+    run (the user said --overwrite), the previous run's checkpoints and log."""
+    for name in os.listdir(out_dir):
+        _, tmp, pid = name.rpartition('.tmp')
+        if tmp and pid.isdigit() and not pid_alive(int(pid)) or fresh and name in RUN_FILES:
+            os.remove(os.path.join(out_dir, name))
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, but another user's
+        pass
+    return True
+
+
 def run_main(body, interrupted='interrupted', cleanup=None):
     """Every script's main(): bad input prints one `error: ...` line and returns 2, Ctrl-C returns 130
     with `interrupted` (what survives and how to go on), --help returns 0; cleanup() runs in every case."""
@@ -665,7 +717,6 @@ def prepare(args):
     about, default_vocab, val_share, default_pairs = DATASETS[args.dataset]
     pairs, tok = args.pairs or default_pairs, args.tokenizer
     read, inputs, total, source = (hub_documents if args.dataset in HUB else local_documents)(args, val_share)
-    from train import check_out_dir  # (imports torch: not at the top, where encoding workers would pay for it)
     check_out_dir(args.out_dir)
 
     def documents():  # the stream, cut after --max_docs training documents

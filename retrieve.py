@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 import train
 from model import RetrievalMixer
-from prepare import Tokenizer, read_text_file
+from prepare import Tokenizer, check_out_dir, check_output_file, read_text_file
 
 TAU = 0.02             # InfoNCE temperature (eq. 8)
 PAPER_N = 32           # --negatives=paper: n = 32 sequences, a query, its target and 30 non-matching ones (§6.3)
@@ -356,7 +356,7 @@ def cmd_train(argv):
     embed_pos = src.get('embed_pos', -1) if embed_pos is None else embed_pos
     encoder = TextEncoder(train.model_from_checkpoint(src), embed_pos)
     n_ctx = encoder.model.cfg.n_ctx
-    train.check_out_dir(cfg['out_dir'], resume is None, cfg['overwrite'])
+    check_out_dir(cfg['out_dir'], resume is None, cfg['overwrite'])
     get_batch = PairBatches(cfg, Tokenizer.from_meta(src['data']['meta'], src['data']['data_dir']), n_ctx)
     rt = train.setup_runtime(cfg)
     try:
@@ -457,7 +457,7 @@ def cmd_eval(args):
         raise ValueError("nothing to evaluate: pass --ckpt=CKPT and/or --peer=NAME_OR_PATH")
     queries, targets = read_pairs(args.pairs)
     if args.json:
-        train.check_output_file(args.json, 'json')
+        check_output_file(args.json, 'json')
     ns, device, models, results = int_list(args.n, 'n'), train.resolve_device(args.device), {}, {}
     if args.ckpt:
         embedder = Embedder(args.ckpt, device, args.dtype, args.batch_size, args.embed_pos)
@@ -532,9 +532,9 @@ def cmd_indirect(argv):
     for c in cs:  # every value and output location, before any embedding or training
         if c < 3:
             raise ValueError(f"--c={c}: the RetrievalMixer needs the query and at least 2 targets")
-        train.check_out_dir(os.path.join(cfg['out_dir'], f'c{c}'), True, cfg['overwrite'], resumable=False)
+        check_out_dir(os.path.join(cfg['out_dir'], f'c{c}'), True, cfg['overwrite'], resumable=False)
     if cfg['json']:
-        train.check_output_file(cfg['json'], 'json')
+        check_output_file(cfg['json'], 'json')
     rt = train.setup_runtime(cfg)
     try:
         embedder = Embedder(cfg['ckpt'], rt.device, cfg['dtype'], embed_pos=embed_pos_arg(cfg['embed_pos']))
@@ -631,7 +631,7 @@ def cmd_index(args):
                          f"or pass a new --index folder")
     if os.path.isdir(args.index) and os.listdir(args.index) and not os.path.isfile(manifest):
         raise ValueError(f"--index={args.index} is a folder of other files, not an index: pass a new or empty folder")
-    train.check_out_dir(args.index, flag='index')
+    check_out_dir(args.index, flag='index')
     embedder = Embedder(args.ckpt, args.device, args.dtype, args.batch_size, args.embed_pos)
     docs = collect_documents(args.docs)
     if not docs:

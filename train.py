@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import ModelConfig, build_model, flops_per_token, measure_peak_flops, objective_targets
-from prepare import SPLITS, parse_args, run_main, write_atomic
+from prepare import SPLITS, check_out_dir, parse_args, remove_leftovers, run_main, write_atomic
 
 # ----------------------------------------------------------------------------- configuration
 
@@ -243,9 +243,6 @@ def budget_used(cfg, step, train_time):
 
 # ----------------------------------------------------------------------------- checkpoints and out_dir
 
-RUN_FILES = ('ckpt.pt', 'best.pt', 'log.jsonl')  # what makes out_dir hold a run
-
-
 def save_checkpoint(obj, path):
     """Atomic (prepare.write_atomic): a crash never leaves a half-written checkpoint."""
     write_atomic(path, lambda f: torch.save(obj, f))
@@ -272,55 +269,6 @@ def model_from_checkpoint(ckpt):
     model = build_model(ModelConfig(**ckpt['model_config']))
     model.load_state_dict(ckpt['model'])
     return model.eval()
-
-
-def check_out_dir(out_dir, fresh=False, overwrite=False, flag='out_dir', resumable=True):
-    """Fail before any work if out_dir cannot be written, or if a fresh (not resumed) run would
-    replace the run it holds and the user did not say --overwrite."""
-    held = [f for f in RUN_FILES if os.path.isfile(os.path.join(out_dir, f))]
-    writer = int(os.environ.get('RANK', 0)) == 0  # DDP: only rank 0 writes; the others may look after it began
-    if fresh and held and not overwrite and writer:
-        resume = "continue it with --init_from=resume, " if resumable else ""
-        raise ValueError(f"out_dir {out_dir} already holds a run ({', '.join(held)}): {resume}replace it with "
-                         f"--overwrite, or pass a new --out_dir")
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, f'.write_test{os.getpid()}')
-        open(probe, 'w').close()
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"cannot write to {flag} {out_dir} ({e.strerror or e}): pass a writable --{flag}") from None
-
-
-def check_output_file(path, flag):
-    """Fail before the work that fills an output file, not after it, if it cannot be written there."""
-    if os.path.isdir(path):
-        raise ValueError(f"--{flag}={path} is a folder: name a file")
-    probe = f"{path}.tmp{os.getpid()}"
-    try:
-        open(probe, 'w').close()
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"cannot write --{flag}={path} ({e.strerror or e}): name a file in a writable folder") from None
-
-
-def remove_leftovers(out_dir, fresh):
-    """Delete the temp files of killed runs (NAME.tmpPID whose process is gone) and, for a fresh
-    run (the user said --overwrite), the previous run's checkpoints and log."""
-    for name in os.listdir(out_dir):
-        _, tmp, pid = name.rpartition('.tmp')
-        if tmp and pid.isdigit() and not pid_alive(int(pid)) or fresh and name in RUN_FILES:
-            os.remove(os.path.join(out_dir, name))
-
-
-def pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # alive, but another user's
-        pass
-    return True
 
 
 def trim_log(path, step):
