@@ -56,8 +56,8 @@ def parse_args(argv):
 
 
 def load(path, device, dtype):
-    """(model, tokenizer) of a train.py language-model checkpoint, the weights cast to dtype once:
-    a decoding step is bound by reading the weights, and bf16 weights are half the bytes."""
+    """(model, tokenizer) of a train.py language-model checkpoint, the weights cast to dtype once and
+    laid out for batch-1 GEMVs: a decoding step is bound by reading the weights (bf16: half the bytes)."""
     ckpt = load_checkpoint(path)
     if ckpt['kind'] != 'lm':
         raise ValueError(f"{path} is a {ckpt['kind']!r} checkpoint: sample from a train.py checkpoint")
@@ -71,7 +71,7 @@ def load(path, device, dtype):
     except FileNotFoundError as e:
         raise ValueError(f"{e}: {path} reads its tokenizer from the data_dir it was trained on; "
                                 f"prepare that data again there") from None
-    return model_from_checkpoint(ckpt).to(device, dtype), tok
+    return model_from_checkpoint(ckpt).to(device, dtype).decode_layout(), tok
 
 
 def write_samples(model, tok, ids, args, generator):
