@@ -213,21 +213,25 @@ class TextEncoder(nn.Module):
         return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
+def text_encoder(ckpt, path, embed_pos=0):
+    """The TextEncoder of an 'lm' or 'retrieval' checkpoint; embed_pos 0 takes the one it records, else -1."""
+    if ckpt.get('kind') not in ('lm', 'retrieval'):
+        raise ValueError(f"{path} is a {ckpt.get('kind')!r} checkpoint: embeddings come from an "
+                         f"'lm' (train.py) or 'retrieval' (retrieve.py train) checkpoint")
+    return TextEncoder(train.model_from_checkpoint(ckpt), embed_pos or ckpt.get('embed_pos', -1))
+
+
 class Embedder:
-    """A checkpoint's encoder and tokenizer: texts -> unit embeddings (N, d_model), batched, no grad.
-    embed_pos 0 takes the checkpoint's (else -1)."""
+    """A checkpoint's encoder and tokenizer: texts -> unit embeddings (N, d_model), batched, no grad."""
 
     def __init__(self, ckpt_path, device='auto', dtype='auto', batch_size=32, embed_pos=0):
         ckpt = train.load_checkpoint(ckpt_path)
-        if ckpt.get('kind') not in ('lm', 'retrieval'):
-            raise ValueError(f"{ckpt_path} is a {ckpt.get('kind')!r} checkpoint: embeddings come from an "
-                             f"'lm' (train.py) or 'retrieval' (retrieve.py train) checkpoint")
+        self.encoder = text_encoder(ckpt, ckpt_path, embed_pos)
         self.path, self.fingerprint = os.path.abspath(ckpt_path), weights_fingerprint(ckpt['model'])
         self.device = train.resolve_device(str(device))
         self.dtype, _ = train.choose_dtype(self.device, dtype)
         self.batch_size = batch_size
-        pos = embed_pos or ckpt.get('embed_pos', -1)
-        self.encoder = TextEncoder(train.model_from_checkpoint(ckpt), pos).to(self.device).eval()
+        self.encoder.to(self.device).eval()
         self.n_ctx, self.d_model = self.encoder.model.cfg.n_ctx, self.encoder.model.cfg.d_model
         self.data = ckpt['data']                                     # data_dir and meta: the tokenizer
         self.tok = Tokenizer.from_meta(self.data['meta'], self.data['data_dir'])
@@ -348,11 +352,8 @@ def cmd_train(cfg):
         init_from = src['init_from']
     else:
         src, init_from = train.load_checkpoint(cfg['init_from']), os.path.abspath(cfg['init_from'])
-        if src['kind'] not in ('lm', 'retrieval'):
-            raise ValueError(f"{cfg['init_from']} is a {src['kind']!r} checkpoint: start from train.py's (kind 'lm')")
-    embed_pos = cfg['embed_pos'] or src.get('embed_pos', -1)
-    encoder = TextEncoder(train.model_from_checkpoint(src), embed_pos)
-    n_ctx = encoder.model.cfg.n_ctx
+    encoder = text_encoder(src, cfg['init_from'], cfg['embed_pos'])
+    embed_pos, n_ctx = encoder.embed_pos, encoder.model.cfg.n_ctx
     train.check_out_dir(cfg['out_dir'], resume is None, cfg['overwrite'])
     get_batch = PairBatches(cfg, Tokenizer.from_meta(src['data']['meta'], src['data']['data_dir']), n_ctx)
     rt = train.setup_runtime(cfg)
