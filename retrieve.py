@@ -414,10 +414,10 @@ def retrieval_metrics(q, t, ns=DEFAULT_NS, seed=0, chunk=512):
             'n_pairs': N}
 
 
-def candidate_counts(text, key, n_pairs):
-    """--n or --c: Table 1's counts (the query, its target and n-2 others, so n >= 3), each capped
-    at n_pairs + 1, the query and every target (a note says so)."""
-    ns, top = int_list(text, key, low=3), n_pairs + 1
+def capped(ns, key, n_pairs):
+    """--n or --c values (Table 1's counts: the query, its target and n-2 others), each capped at
+    n_pairs + 1, the query and every target (a note says so)."""
+    top = n_pairs + 1
     if max(ns) > top:
         print(f"note: only {n_pairs} pairs, so {key} is capped at {top} (the query and every target; "
               f"asked for {','.join(str(n) for n in ns if n > top)})", file=sys.stderr)
@@ -444,12 +444,13 @@ def cmd_eval(cfg):
     if not (cfg['ckpt'] or cfg['peer']):
         raise ValueError("nothing to evaluate: pass --ckpt=CKPT and/or --peer=NAME_OR_PATH")
     queries, targets = read_pairs(cfg['pairs'])
-    ns, device, models, results = candidate_counts(cfg['n'], 'n', len(queries)), train.resolve_device(cfg['device']), {}, {}
+    ns, device, models, results = int_list(cfg['n'], 'n', low=3), train.resolve_device(cfg['device']), {}, {}
     if cfg['ckpt']:
         embedder = Embedder(cfg['ckpt'], device, cfg['dtype'], cfg['batch_size'], cfg['embed_pos'])
         models[cfg['ckpt']] = embedder, f"embed_pos {embedder.encoder.embed_pos}, {str(embedder.dtype)[6:]}"
     if cfg['peer']:
         models[cfg['peer']] = peer_embedder(cfg['peer'], device, cfg['batch_size']), "sentence-transformers peer"
+    ns = capped(ns, 'n', len(queries))  # noted once the models have loaded
     for name, (embed, how) in models.items():
         t0 = time.perf_counter()
         q, t = embed(queries), embed(targets)
@@ -495,7 +496,7 @@ def cmd_indirect(cfg):
     """Frozen embeddings, a RetrievalMixer per c (paper §6.2): how much retrieval the pretrained
     embeddings carry, without changing the model that made them."""
     pairs = {s: read_pairs(os.path.join(cfg['data_dir'], f'pairs_{s}.jsonl')) for s in train.SPLITS}
-    cs = candidate_counts(cfg['c'], 'c', min(len(pairs[s][0]) for s in pairs))
+    cs = capped(int_list(cfg['c'], 'c', low=3), 'c', min(len(pairs[s][0]) for s in pairs))
     for c in cs:  # every output location, before any embedding or training
         train.check_out_dir(os.path.join(cfg['out_dir'], f'c{c}'), True, cfg['overwrite'], resumable=False)
     rt = train.setup_runtime(cfg)
