@@ -13,147 +13,103 @@ MODE is one of
   retrieval   InfoNCE training steps on prepared pairs: full left-padded windows vs trimmed padding
   all         every mode but retrieval at its default sizes, printed as markdown tables
 
---archs, --n_ctx and --n_layers take comma lists and every mode runs their product.
---full swaps the small defaults (sized for `all` in minutes on 2 CPU cores) for the paper's grid.
-Models are untrained unless represent gets --ckpt; inputs are random tokens unless --data_dir.
+Keys (python bench.py MODE --help lists them): --archs, --n_ctx and --n_layers take comma lists and
+every mode runs their product; --batch_size is a comma list in generate. The sizes default per mode
+(MODE_DEFAULTS below, small enough for `all` in minutes on 2 CPU cores); --full swaps in the paper's
+grid (FULL), and a key given on the command line wins over both. Models are untrained unless
+represent gets --ckpt; inputs are random tokens unless --data_dir.
 """
-import argparse
-import json
-import os
-import resource
-import statistics
-import subprocess
-import sys
-import time
+import json, os, resource, statistics, subprocess, sys, time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from model import Backbone, Context, ModelConfig, build_model, decode_bytes, flops_per_token, measure_peak_flops
-from prepare import check_output_file
-from train import CHOICES, autocast, choose_dtype, resolve_device
+from prepare import LOWEST, Tokenizer, check_output_file, parse_args, run_main, write_atomic
+from retrieve import PairBatches, TextEncoder, info_nce, int_list
+from train import (CHOICES, autocast, choose_dtype, configure_optimizer, load_checkpoint, load_meta,
+                   model_from_checkpoint, resolve_device)
 
 MODES = ('throughput', 'memory', 'generate', 'represent', 'retrieval', 'all')
 
-# Per-mode defaults; --full replaces them with the paper's (or the issue's headline) settings.
-DEFAULTS = {
-    'throughput': dict(archs='mixer,llama,gpt', d_model=256, n_layers='4', n_ctx='128,256,512', batch_size=4),
-    'memory': dict(archs='mixer,llama', d_model=1024, n_layers='4,8', n_ctx='512,1024,2048', batch_size=1),
-    'generate': dict(archs='mixer,llama,gpt', d_model=256, n_layers='4', n_ctx='256', batch_size='1,16',
-                     prompt=128, new_tokens=64),
-    'represent': dict(archs='mixer,llama', d_model=256, n_layers='4', n_ctx='32', batch_size=2),
-    'retrieval': dict(archs='mixer,llama', d_model=256, n_layers='4', n_ctx='256', batch_size=32),
+DEFAULTS = dict(
+    mode='',                # the MODE, the first bare word
+    archs='mixer,llama,gpt',  # comma list of model archs
+    d_model=256,
+    n_layers='4',           # comma list
+    n_ctx='128,256,512',    # comma list
+    batch_size='4',         # rows per step; a comma list in generate
+    n_heads=0,              # attention heads of llama/gpt/hybrid/elita (0: ModelConfig's, 4); mixers keep one
+    vocab_size=4096,        # the paper's TinyStories tokenizer size
+    full=False,             # the paper's sizes (slow on a CPU)
+    device='auto',          # auto (cuda if present), cpu or cuda[:i]
+    dtype='auto',           # autocast dtype (auto: as train.py chooses); generate casts the weights instead,
+                            # represent always runs in float32
+    seed=0,
+    json='',                # write every row to this JSON file
+    plot='',                # draw throughput/memory/generation vs n_ctx to this .png (needs matplotlib)
+    warmup=2, repeats=5,    # throughput, retrieval: untimed steps, then timed ones (the median is reported)
+    compile=False,          # torch.compile the model first (generate: the cached decoding step, warm-up reported)
+    mem_limit=12288,        # memory: MB a cell may use before it counts as OOM (the paper's 12 GB RTX 3060; 0 = none)
+    prompt=128, new_tokens=64,  # generate: tokens of the prompt, tokens decoded after it
+    methods='window,cache',  # generate: comma list of window and/or cache
+    ckpt='',                # represent: a train.py checkpoint to probe (default: an untrained model per arch)
+    data_dir='',            # represent: inputs from its val.bin (default: random tokens); retrieval: its pairs
+    layer='',               # represent: comma list of layers l whose output O_l is inverted (default: the last)
+    steps=500, lr=0.05,     # represent: gradient descent steps N; the step size, decaying linearly to lr/10
+    arch='none',            # memory_cell (run by memory in a fresh interpreter): its one arch; none = the baseline
+)
+MODE_DEFAULTS = {  # each mode's sizes over DEFAULTS (which hold throughput's)
+    'throughput': {},
+    'memory': dict(archs='mixer,llama', d_model=1024, n_layers='4,8', n_ctx='512,1024,2048', batch_size='1'),
+    'generate': dict(n_ctx='256', batch_size='1,16'),
+    'represent': dict(archs='mixer,llama', n_ctx='32', batch_size='2'),
+    'retrieval': dict(archs='mixer,llama', n_ctx='256', batch_size='32'),
 }
-FULL = {
+FULL = {  # --full: the paper's (or the issue's headline) settings
     'throughput': dict(d_model=512, n_layers='8', n_ctx='128,256,512,1024'),
     'memory': dict(n_layers='4,8,16', n_ctx='512,1024,2048,4096,8192'),
     'generate': dict(n_layers='8', n_ctx='512', prompt=256, new_tokens=256),
     'represent': dict(d_model=512, n_layers='8'),
     'retrieval': dict(n_layers='8', n_ctx='256,512'),
 }
+BENCH_CHOICES = dict(mode=MODES + ('memory_cell',), dtype=CHOICES['dtype'])
 
 
-def fail(msg):
-    """Bad input, as in every script: a ValueError that main() prints as one `error: ...` line, exit status 2."""
-    raise ValueError(msg)
-
-
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.error = fail
-    p.add_argument('mode', metavar='MODE', choices=MODES + ('memory_cell',), help=' | '.join(MODES))
-    p.add_argument('--archs', help="comma list of model archs (default per mode)")
-    p.add_argument('--d_model', type=int)
-    p.add_argument('--n_layers', help="comma list")
-    p.add_argument('--n_ctx', help="comma list")
-    p.add_argument('--batch_size', help="rows per step; a comma list in generate (default 1,16)")
-    p.add_argument('--n_heads', type=int, default=0,
-                   help="attention heads of llama/gpt/hybrid/elita (default 0: ModelConfig's, 4); mixers keep one")
-    p.add_argument('--vocab_size', type=int, default=4096, help="the paper's TinyStories tokenizer size")
-    p.add_argument('--full', action='store_true', help="the paper's sizes (slow on a CPU)")
-    p.add_argument('--device', default='auto', help="auto (cuda if present), cpu or cuda[:i]")
-    p.add_argument('--dtype', default='auto', choices=CHOICES['dtype'],
-                   help="autocast dtype (auto: bf16 on CUDA and on CPUs with native bf16, else float32); "
-                        "generate casts the weights to it instead; represent always runs in float32")
-    p.add_argument('--seed', type=int, default=0)
-    p.add_argument('--json', help="write every row to this JSON file")
-    p.add_argument('--plot', help="draw throughput/memory/generation vs n_ctx to this .png (needs matplotlib)")
-    g = p.add_argument_group('throughput')
-    g.add_argument('--warmup', type=int, default=2, help="untimed steps before the timed ones")
-    g.add_argument('--repeats', type=int, default=5, help="timed steps; the median is reported")
-    g.add_argument('--compile', action='store_true',
-                   help="torch.compile the model first (generate: the cached decoding step, warm-up reported)")
-    g = p.add_argument_group('memory')
-    g.add_argument('--mem_limit', type=int, default=12288,
-                   help="MB a cell may use before it counts as OOM (default: the paper's 12 GB RTX 3060; 0 = none)")
-    g = p.add_argument_group('generate')
-    g.add_argument('--prompt', type=int, help="prompt length in tokens")
-    g.add_argument('--new_tokens', type=int)
-    g.add_argument('--methods', default='window,cache', help="comma list of window and/or cache")
-    g = p.add_argument_group('represent')
-    g.add_argument('--ckpt', help="a train.py checkpoint to probe (default: an untrained model per arch)")
-    g.add_argument('--data_dir', help="take inputs from this data dir's val.bin (default: random tokens); "
-                   "retrieval: its pairs_train.jsonl (default data/pystdlib)")
-    g.add_argument('--layer', help="comma list of layers l whose output O_l is inverted (default: the last)")
-    g.add_argument('--steps', type=int, default=500, help="gradient descent steps N")
-    g.add_argument('--lr', type=float, default=0.05, help="initial step size; decays linearly to lr/10")
-    g.add_argument('--arch', help=argparse.SUPPRESS)  # memory_cell: the one cell to run
-    args = p.parse_args(argv)
-    for key, low in dict(d_model=1, vocab_size=2, warmup=0, repeats=1, mem_limit=0, prompt=1,
-                         new_tokens=1, steps=1).items():
-        if getattr(args, key) is not None and getattr(args, key) < low:
-            fail(f"--{key}={getattr(args, key)} is out of range: use a value >= {low}")
-    if not 0 < args.lr < float('inf'):
-        fail(f"--lr={args.lr} must be a finite number > 0")
-    for key in ('json', 'plot'):  # before the benchmark, not after it
-        if getattr(args, key):
-            check_output_file(getattr(args, key), key)
-    return args
-
-
-def settings(args, mode):
-    """args with the mode's defaults filled in (explicit flags win) and comma lists split."""
-    s = dict(vars(args), mode=mode)
-    for k, v in dict(DEFAULTS[mode], **(FULL[mode] if args.full else {})).items():
-        s[k] = v if s[k] is None else s[k]
+def settings(argv, mode):
+    """argv's settings for one mode: DEFAULTS, the mode's sizes (the paper's with --full), then argv
+    itself; comma lists split, the device and dtype resolved."""
+    defaults = dict(DEFAULTS, **MODE_DEFAULTS[mode])
+    s = parse_args(argv, defaults, BENCH_CHOICES, __doc__, positional='mode')
+    if s['full']:  # parsed again so that argv's own values still win over the paper's
+        s = parse_args(argv, dict(defaults, **FULL[mode]), BENCH_CHOICES, __doc__, positional='mode')
     s['archs'] = s['archs'].split(',')
     for key in ('n_layers', 'n_ctx', 'batch_size'):
-        try:
-            s[key] = [int(v) for v in str(s[key]).split(',')]
-        except ValueError:
-            fail(f"--{key}={s[key]} must be a comma list of integers, e.g. --{key}=256,512")
-        if min(s[key]) < 1:
-            fail(f"--{key}={','.join(map(str, s[key]))} is out of range: use values >= 1")
+        s[key] = int_list(s[key], key, LOWEST[key])
     if mode != 'generate':
         if len(s['batch_size']) != 1:
-            fail(f"--batch_size takes one integer in {mode}; a comma list only in generate")
+            raise ValueError(f"--batch_size takes one integer in {mode}; a comma list only in generate")
         s['batch_size'] = s['batch_size'][0]
-    try:
-        s['dev'] = resolve_device(s['device'])
-        s['torch_dtype'], why = choose_dtype(s['dev'], s['dtype'])
-    except ValueError as e:
-        fail(str(e))
+    s['dev'] = resolve_device(s['device'])
+    s['torch_dtype'], why = choose_dtype(s['dev'], s['dtype'])
     s['device'], s['dtype'] = str(s['dev']), str(s['torch_dtype'])[6:]  # what runs (memory cells inherit it)
-    if args.mode != 'memory_cell':
+    if s['mode'] != 'memory_cell':
         print(f"{mode}: {s['device']} {s['dtype']} ({why})", file=sys.stderr)
-    return argparse.Namespace(**s)
+    s = SimpleNamespace(**dict(s, mode=mode))
+    grid(s)  # a bad arch or size fails here, before any mode runs
+    return s
 
 
 def grid(s):
     """Every (arch, n_layers, n_ctx) the mode should measure, as ModelConfigs."""
-    for arch in s.archs:
-        for n_layers in s.n_layers:
-            for n_ctx in s.n_ctx:
-                try:
-                    yield ModelConfig(arch=arch, vocab_size=s.vocab_size, n_ctx=n_ctx, d_model=s.d_model,
-                                      n_layers=n_layers, n_heads=attention_heads(s, arch))
-                except ValueError as e:
-                    fail(str(e))
+    return [model_config(s, arch, n_layers, n_ctx) for arch in s.archs for n_layers in s.n_layers for n_ctx in s.n_ctx]
 
 
-def attention_heads(s, arch):
-    """--n_heads is the attention head count; a mixer's n_heads means mixing heads, left at one."""
-    return 0 if arch in ('mixer', 'gmlp') else s.n_heads
+def model_config(s, arch, n_layers, n_ctx):
+    # --n_heads counts attention heads; a mixer's n_heads would mean mixing heads, so mixers keep one
+    return ModelConfig(arch=arch, vocab_size=s.vocab_size, n_ctx=n_ctx, d_model=s.d_model, n_layers=n_layers,
+                       n_heads=0 if arch in ('mixer', 'gmlp') else s.n_heads)
 
 
 def sync(dev):
@@ -165,41 +121,45 @@ def random_tokens(cfg, batch, length, gen):
     return torch.randint(cfg.vocab_size, (batch, length), generator=gen)
 
 
-# ----------------------------------------------------------------------------- throughput
+def row(s, cfg, **measured):
+    """One result: the mode, the model's sizes, the dtype, then what was measured."""
+    return dict(mode=s.mode, arch=cfg.arch, d_model=cfg.d_model, n_layers=cfg.n_layers, n_ctx=cfg.n_ctx,
+                dtype=s.dtype, **measured)
 
-def training_step_times(model, opt, x, y, s):
-    """Seconds per full training step (forward with targets, backward, AdamW), timed steps only."""
-    times = []
+
+def training_step_seconds(s, model, batches, loss_fn):
+    """Median seconds of a full training step (forward under autocast, backward, AdamW) over s.repeats
+    timed steps after s.warmup untimed ones; batches[i] feeds step i."""
+    opt, times = configure_optimizer(model, 1e-4, 0.01, s.dev.type), []
     for i in range(s.warmup + s.repeats):
         sync(s.dev)
         t0 = time.perf_counter()
         with autocast(s.dev, s.torch_dtype):
-            _, loss = model(x, y)
+            loss = loss_fn(batches[i])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync(s.dev)
         if i >= s.warmup:
             times.append(time.perf_counter() - t0)
-    return times
+    return statistics.median(times)
 
+
+# ----------------------------------------------------------------------------- throughput
 
 def bench_throughput(s):
-    from train import configure_optimizer
     peak = measure_peak_flops(s.dev, s.torch_dtype)
     print(f"peak: {peak / 1e9:.0f} GFLOP/s (best {s.dtype} square matmul on {s.device})")
     rows, gen = [], torch.Generator().manual_seed(s.seed)
     for cfg in grid(s):
         torch.manual_seed(s.seed)
         model = build_model(cfg).to(s.dev).train()
-        opt = configure_optimizer(model, 1e-4, 0.01, s.dev.type)
         step = torch.compile(model) if s.compile else model
-        xy = random_tokens(cfg, s.batch_size, cfg.n_ctx + 1, gen).to(s.dev)
-        sec = statistics.median(training_step_times(step, opt, xy[:, :-1], xy[:, 1:], s))
+        xy = random_tokens(cfg, s.batch_size, cfg.n_ctx + 1, gen).to(s.dev)      # the same batch every step
+        sec = training_step_seconds(s, model, [xy] * (s.warmup + s.repeats), lambda b: step(b[:, :-1], b[:, 1:])[1])
         tps = s.batch_size * cfg.n_ctx / sec
-        rows.append(dict(mode='throughput', arch=cfg.arch, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                         n_ctx=cfg.n_ctx, batch_size=s.batch_size, dtype=s.dtype, ms_per_step=1e3 * sec,
-                         tokens_per_s=tps, mfu=flops_per_token(cfg) * tps / peak, peak_flops=peak))
+        rows.append(row(s, cfg, batch_size=s.batch_size, ms_per_step=1e3 * sec, tokens_per_s=tps,
+                        mfu=flops_per_token(cfg) * tps / peak, peak_flops=peak))
         print(f"  {cfg.arch} n_ctx={cfg.n_ctx}: {1e3 * sec:.0f} ms/step, {tps:.0f} tokens/s", flush=True)
     return rows
 
@@ -214,7 +174,7 @@ def proc_status(key):
         with open('/proc/self/status') as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ':'))
     except (OSError, StopIteration):
-        fail("CPU memory cells read /proc/self/status (Linux): run memory on Linux or on CUDA")
+        raise ValueError("CPU memory cells read /proc/self/status (Linux): run memory on Linux or on CUDA") from None
 
 
 def limit_memory(s):
@@ -230,17 +190,15 @@ def limit_memory(s):
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
 
 
-def memory_cell(args):
+def memory_cell(s):
     """Subprocess body: one forward + backward of a backbone (no lm head); prints peak bytes as JSON.
     --arch=none builds nothing and gives the interpreter + torch baseline."""
-    s = settings(args, 'memory')
     torch.ones(64, 64) @ torch.ones(64, 64)   # start the thread pool, as every cell does
     limit_memory(s)
     peak = 0
     try:
-        if args.arch != 'none':
-            cfg = ModelConfig(arch=args.arch, vocab_size=s.vocab_size, n_ctx=s.n_ctx[0], d_model=s.d_model,
-                              n_layers=s.n_layers[0], n_heads=attention_heads(s, args.arch))
+        if s.arch != 'none':
+            cfg = model_config(s, s.arch, s.n_layers[0], s.n_ctx[0])
             backbone = Backbone(cfg).to(s.dev)
             idx = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx), device=s.dev)
             with autocast(s.dev, s.torch_dtype):
@@ -257,28 +215,25 @@ def memory_cell(args):
 
 def run_cell(s, arch, n_layers, n_ctx):
     """Peak bytes of one memory cell run in a fresh interpreter, or None if it ran out of memory."""
-    cmd = [sys.executable, os.path.abspath(__file__), 'memory_cell', f'--arch={arch}', f'--n_layers={n_layers}',
-           f'--n_ctx={n_ctx}', f'--d_model={s.d_model}', f'--batch_size={s.batch_size}', f'--n_heads={s.n_heads}',
-           f'--vocab_size={s.vocab_size}', f'--device={s.device}', f'--dtype={s.dtype}',
-           f'--mem_limit={s.mem_limit}']
+    keys = dict(arch=arch, n_layers=n_layers, n_ctx=n_ctx, **{k: getattr(s, k) for k in (
+        'd_model', 'batch_size', 'n_heads', 'vocab_size', 'device', 'dtype', 'mem_limit')})
+    cmd = [sys.executable, os.path.abspath(__file__), 'memory_cell'] + [f'--{k}={v}' for k, v in keys.items()]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode < 0:  # killed by a signal: the kernel's OOM killer, or an abort in an allocator
         return None
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ['no output'])[-1]
-        fail(f"memory cell {arch} n_layers={n_layers} n_ctx={n_ctx} failed: {last}")
+        raise ValueError(f"memory cell {arch} n_layers={n_layers} n_ctx={n_ctx} failed: {last}")
     return json.loads(proc.stdout.strip().splitlines()[-1])['peak_bytes']
 
 
 def bench_memory(s):
-    base = 0 if s.dev.type == 'cuda' else run_cell(s, 'none', 1, 1)
+    base = 0 if s.dev.type == 'cuda' else run_cell(s, 'none', 1, 2)
     rows = []
     for cfg in grid(s):
         peak = run_cell(s, cfg.arch, cfg.n_layers, cfg.n_ctx)
         mb = None if peak is None else (peak - base) / 2**20
-        rows.append(dict(mode='memory', arch=cfg.arch, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                         n_ctx=cfg.n_ctx, n_heads=cfg.n_heads, batch_size=s.batch_size, dtype=s.dtype,
-                         device=s.device, mb=mb))
+        rows.append(row(s, cfg, n_heads=cfg.n_heads, batch_size=s.batch_size, device=s.device, mb=mb))
         print(f"  {cfg.arch} n_layers={cfg.n_layers} n_ctx={cfg.n_ctx}: "
               + ('OOM' if mb is None else f"{mb:.0f} MB"), flush=True)
     return rows
@@ -321,12 +276,12 @@ def bench_generate(s):
     holds the compile, is timed apart (warmup_s) and never counted in tokens/s."""
     methods = s.methods.split(',')
     if set(methods) - {'window', 'cache'}:
-        fail(f"--methods={s.methods}: use window, cache or window,cache")
+        raise ValueError(f"--methods={s.methods}: use window, cache or window,cache")
     rows, gen = [], torch.Generator().manual_seed(s.seed)
     for cfg in grid(s):
         if s.prompt + s.new_tokens > cfg.n_ctx:
-            fail(f"--prompt={s.prompt} plus --new_tokens={s.new_tokens} exceeds n_ctx={cfg.n_ctx}: "
-                 f"shorten them or raise --n_ctx")
+            raise ValueError(f"--prompt={s.prompt} plus --new_tokens={s.new_tokens} exceeds n_ctx={cfg.n_ctx}: "
+                             f"shorten them or raise --n_ctx")
         torch.manual_seed(s.seed)
         model = build_model(cfg).to(s.dev, s.torch_dtype).eval()
         if s.compile:  # each model's step is one more graph of decode_step: stay under the recompile limit
@@ -342,12 +297,10 @@ def bench_generate(s):
                 positions = range(s.prompt, s.prompt + s.new_tokens - 1)  # those of the timed steps
                 step_bytes = statistics.mean(decode_bytes(model, p, batch, method == 'cache') for p in positions)
                 tps, ceiling = batch / per_token, batch * bandwidth / step_bytes
-                rows.append(dict(mode='generate', arch=cfg.arch, method=method, d_model=cfg.d_model,
-                                 n_layers=cfg.n_layers, n_ctx=cfg.n_ctx, prompt=s.prompt, new_tokens=s.new_tokens,
-                                 batch_size=batch, dtype=s.dtype, compile=s.compile and method == 'cache',
-                                 warmup_s=warmup, prefill_ms=1e3 * prefill, tokens_per_s=tps,
-                                 mb_per_step=step_bytes / 1e6, gb_per_s=bandwidth / 1e9,
-                                 ceiling_tokens_per_s=ceiling, fraction=tps / ceiling))
+                rows.append(row(s, cfg, method=method, prompt=s.prompt, new_tokens=s.new_tokens, batch_size=batch,
+                                compile=s.compile and method == 'cache', warmup_s=warmup, prefill_ms=1e3 * prefill,
+                                tokens_per_s=tps, mb_per_step=step_bytes / 1e6, gb_per_s=bandwidth / 1e9,
+                                ceiling_tokens_per_s=ceiling, fraction=tps / ceiling))
                 print(f"  {cfg.arch} {method} batch {batch} (warm-up {warmup:.1f} s): {tps:.1f} tokens/s, "
                       f"ceiling {ceiling:.0f} ({step_bytes / 1e6:.1f} MB/step at {bandwidth / 1e9:.1f} GB/s): "
                       f"{tps / ceiling:.0%}", flush=True)
@@ -360,41 +313,29 @@ def bench_retrieval(s):
     """InfoNCE steps (in-batch negatives: batch_size queries + their targets, forward, backward, AdamW)
     on the same real pairs, once with every text left-padded to n_ctx and once trimmed (TextEncoder's
     trim: pad states shared by mixers, pad columns dropped by llama)."""
-    from prepare import Tokenizer
-    from retrieve import PairBatches, TextEncoder, info_nce
-    from train import configure_optimizer, load_meta
     data_dir = s.data_dir or 'data/pystdlib'
     try:
         tok = Tokenizer.from_meta(load_meta(data_dir), data_dir)
         pairs = PairBatches(dict(data_dir=data_dir, batch_size=s.batch_size, negatives='inbatch', seed=s.seed), tok, 0)
     except (ValueError, FileNotFoundError) as e:
-        fail(f"retrieval needs prepared pairs ({e}): run python prepare.py or pass --data_dir")
+        raise ValueError(f"retrieval needs prepared pairs ({e}): run python prepare.py or pass --data_dir") from None
     rows = []
     for cfg in grid(s):
         pairs.n_ctx = cfg.n_ctx
-        batches = [pairs('train', i, 0) for i in range(s.warmup + s.repeats)]      # the same for both paddings
-        real = float(np.mean([float(b[1].float().mean()) for b in batches]))       # fraction of real tokens
+        batches = [[t.to(s.dev) for t in pairs('train', i, 0)] for i in range(s.warmup + s.repeats)]  # both paddings'
+        real = float(np.mean([float(mask.float().mean()) for _, mask, _ in batches]))  # fraction of real tokens
         for trim in (False, True):
             torch.manual_seed(s.seed)
-            model = build_model(cfg).to(s.dev).train()
-            enc, opt = TextEncoder(model, -1, trim), configure_optimizer(model, 1e-4, 0.0, s.dev.type)
-            times = []
-            for i, (idx, mask, labels) in enumerate(batches):
-                idx, mask, labels = idx.to(s.dev), mask.to(s.dev), labels.to(s.dev)
-                sync(s.dev)
-                t0 = time.perf_counter()
-                with autocast(s.dev, s.torch_dtype):
-                    e = enc(idx, mask)                                     # (2B, d_model) queries, targets
-                info_nce(e[:len(labels)], e[len(labels):], labels).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                sync(s.dev)
-                if i >= s.warmup:
-                    times.append(time.perf_counter() - t0)
-            sec = statistics.median(times)
-            rows.append(dict(mode='retrieval', arch=cfg.arch, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                             n_ctx=cfg.n_ctx, batch_size=s.batch_size, dtype=s.dtype, padding='trimmed' if enc.trim
-                             else 'full', real_tokens=real, ms_per_step=1e3 * sec))
+            enc = TextEncoder(build_model(cfg).to(s.dev).train(), -1, trim)
+
+            def loss_fn(batch):
+                idx, mask, labels = batch
+                e = enc(idx, mask)                                          # (2B, d_model) queries, targets
+                return info_nce(e[:len(labels)], e[len(labels):], labels)
+
+            sec = training_step_seconds(s, enc.model, batches, loss_fn)
+            rows.append(row(s, cfg, batch_size=s.batch_size, padding='trimmed' if enc.trim else 'full',
+                            real_tokens=real, ms_per_step=1e3 * sec))
             print(f"  {cfg.arch} n_ctx={cfg.n_ctx} {rows[-1]['padding']}: {1e3 * sec:.0f} ms/step", flush=True)
     return rows
 
@@ -487,13 +428,12 @@ def represent_inputs(cfg, s, gen):
     if not s.data_dir:
         return random_tokens(cfg, s.batch_size, cfg.n_ctx, gen), None
     try:
-        with open(os.path.join(s.data_dir, 'meta.json')) as f:
-            meta = json.load(f)
+        meta = load_meta(s.data_dir)
         data = np.memmap(os.path.join(s.data_dir, 'val.bin'), dtype=meta['dtype'], mode='r')
-    except (OSError, KeyError, ValueError) as e:
-        fail(f"--data_dir={s.data_dir} has no readable meta.json/val.bin ({e}): run python prepare.py first")
+    except (OSError, ValueError) as e:  # the flag named beside load_meta's reason
+        raise ValueError(f"--data_dir={s.data_dir} has no readable meta.json/val.bin ({e})") from None
     if len(data) <= cfg.n_ctx or meta['vocab_size'] > cfg.vocab_size:
-        fail(f"--data_dir={s.data_dir} does not fit the model (needs > n_ctx tokens, vocab <= {cfg.vocab_size})")
+        raise ValueError(f"--data_dir={s.data_dir} does not fit the model (needs > n_ctx tokens, vocab <= {cfg.vocab_size})")
     starts = torch.randint(len(data) - cfg.n_ctx, (s.batch_size,), generator=gen).tolist()
     idx = torch.from_numpy(np.stack([data[i:i + cfg.n_ctx].astype(np.int64) for i in starts]))
     return idx, meta.get('pad_id')
@@ -502,11 +442,7 @@ def represent_inputs(cfg, s, gen):
 def probed_models(s):
     """The checkpoint's model, or an untrained one per grid cell (built as they are needed)."""
     if s.ckpt:
-        from train import load_checkpoint, model_from_checkpoint
-        try:
-            yield model_from_checkpoint(load_checkpoint(s.ckpt))
-        except (ValueError, FileNotFoundError) as e:
-            fail(str(e))
+        yield model_from_checkpoint(load_checkpoint(s.ckpt))
         return
     for cfg in grid(s):
         torch.manual_seed(s.seed)
@@ -514,18 +450,12 @@ def probed_models(s):
 
 
 def bench_represent(s):
-    try:
-        layers = [int(v) for v in s.layer.split(',')] if s.layer else None
-    except ValueError:
-        fail(f"--layer={s.layer} must be a comma list of integers, e.g. --layer=1,4")
+    layers = int_list(s.layer, 'layer') if s.layer else None
     rows, gen = [], torch.Generator().manual_seed(s.seed)
     for model in probed_models(s):
         idx, pad_id = represent_inputs(model.cfg, s, gen)
         model, idx = model.to(s.dev), idx.to(s.dev)
-        try:
-            new = represent_rows(model, idx, layers or [model.cfg.n_layers], s.steps, s.lr, pad_id, s.seed)
-        except ValueError as e:
-            fail(str(e))
+        new = represent_rows(model, idx, layers or [model.cfg.n_layers], s.steps, s.lr, pad_id, s.seed)
         for r in new:
             r.update(d_model=model.cfg.d_model, n_layers=model.cfg.n_layers, n_ctx=model.cfg.n_ctx)
             print(f"  {r['arch']} layer {r['layer']} ({r['positions']}): hamming {r['hamming']:.3f}", flush=True)
@@ -564,53 +494,46 @@ def memory_tables(rows):
 
 
 def ratios(rows):
-    """The mixer-vs-transformer comparisons the README quotes, one line each."""
+    """The mixer-vs-transformer comparisons the README quotes, one line each: a's key over b's, at
+    each n_layers, n_ctx and batch size both were measured at."""
     lines = []
 
-    def pick(mode, arch, method=None, **kw):
-        return [r for r in rows if r['mode'] == mode and r['arch'] == arch and r.get('method') == method
-                and all(r[k] == v for k, v in kw.items())]
+    def pick(**want):
+        return [r for r in rows if all(r.get(k) == v for k, v in want.items())]
 
     def compare(what, a, b, key):
-        for r in pick(*a):
-            for o in pick(*b, n_ctx=r['n_ctx'], n_layers=r['n_layers'], batch_size=r['batch_size']):
+        for r in pick(**a):
+            for o in pick(**b, n_ctx=r['n_ctx'], n_layers=r['n_layers'], batch_size=r['batch_size']):
                 if r[key] and o[key]:
                     batch = f" batch={r['batch_size']}" if r['mode'] == 'generate' else ''
                     lines.append(f"{what} at n_layers={r['n_layers']} n_ctx={r['n_ctx']}{batch}: "
                                  f"{r[key] / o[key]:.2f}x")
 
     for other in ('llama', 'gpt'):
-        compare(f"throughput mixer/{other}", ('throughput', 'mixer'), ('throughput', other), 'tokens_per_s')
-    compare("memory llama/mixer", ('memory', 'llama'), ('memory', 'mixer'), 'mb')
-    for arch in dict.fromkeys(r['arch'] for r in rows if r['mode'] == 'retrieval'):
-        for r in pick('retrieval', arch, padding='full'):
-            for o in pick('retrieval', arch, padding='trimmed', n_ctx=r['n_ctx'], n_layers=r['n_layers']):
-                lines.append(f"retrieval {arch} step time full/trimmed at n_layers={r['n_layers']} "
-                             f"n_ctx={r['n_ctx']}: {r['ms_per_step'] / o['ms_per_step']:.2f}x")
+        compare(f"throughput mixer/{other}", dict(mode='throughput', arch='mixer'),
+                dict(mode='throughput', arch=other), 'tokens_per_s')
+    compare("memory llama/mixer", dict(mode='memory', arch='llama'), dict(mode='memory', arch='mixer'), 'mb')
     for arch in dict.fromkeys(r['arch'] for r in rows):
-        compare(f"generate {arch} cache/window", ('generate', arch, 'cache'), ('generate', arch, 'window'),
-                'tokens_per_s')
-    compare("generate mixer cache / llama KV cache", ('generate', 'mixer', 'cache'), ('generate', 'llama', 'cache'),
-            'tokens_per_s')
+        compare(f"retrieval {arch} step time full/trimmed", dict(mode='retrieval', arch=arch, padding='full'),
+                dict(mode='retrieval', arch=arch, padding='trimmed'), 'ms_per_step')
+        compare(f"generate {arch} cache/window", dict(mode='generate', arch=arch, method='cache'),
+                dict(mode='generate', arch=arch, method='window'), 'tokens_per_s')
+    compare("generate mixer cache / llama KV cache", dict(mode='generate', arch='mixer', method='cache'),
+            dict(mode='generate', arch='llama', method='cache'), 'tokens_per_s')
     return '\n'.join(lines)
 
 
+COLUMNS = {  # the markdown table each mode prints (and README shows); memory is laid out as Tables S9/S10
+    'throughput': 'arch n_ctx d_model n_layers batch_size dtype ms_per_step tokens_per_s mfu',
+    'generate': 'arch method batch_size n_ctx d_model n_layers prompt new_tokens dtype compile warmup_s prefill_ms '
+                'mb_per_step gb_per_s tokens_per_s ceiling_tokens_per_s fraction',
+    'retrieval': 'arch n_ctx d_model n_layers batch_size dtype padding real_tokens ms_per_step',
+    'represent': 'arch d_model n_layers n_ctx layer positions hamming loss epsilon converged',
+}
+
+
 def report(mode, rows):
-    """The markdown a mode prints (and README shows)."""
-    if mode == 'throughput':
-        cols = ['arch', 'n_ctx', 'd_model', 'n_layers', 'batch_size', 'dtype', 'ms_per_step', 'tokens_per_s', 'mfu']
-    elif mode == 'generate':
-        cols = ['arch', 'method', 'batch_size', 'n_ctx', 'd_model', 'n_layers', 'prompt', 'new_tokens', 'dtype',
-                'compile', 'warmup_s', 'prefill_ms', 'mb_per_step', 'gb_per_s', 'tokens_per_s', 'ceiling_tokens_per_s',
-                'fraction']
-    elif mode == 'retrieval':
-        cols = ['arch', 'n_ctx', 'd_model', 'n_layers', 'batch_size', 'dtype', 'padding', 'real_tokens', 'ms_per_step']
-    elif mode == 'represent':
-        cols = ['arch', 'd_model', 'n_layers', 'n_ctx', 'layer', 'positions', 'hamming', 'loss', 'epsilon',
-                'converged']
-    else:
-        return memory_tables(rows)
-    return markdown(rows, cols)
+    return memory_tables(rows) if mode == 'memory' else markdown(rows, COLUMNS[mode].split())
 
 
 def pyplot():
@@ -620,7 +543,7 @@ def pyplot():
         matplotlib.use('Agg')
         import matplotlib.pyplot as plt
     except ImportError:
-        fail("--plot needs matplotlib: pip install matplotlib, or leave out --plot")
+        raise ValueError("--plot needs matplotlib: pip install matplotlib, or leave out --plot") from None
     return plt
 
 
@@ -629,7 +552,7 @@ def plot(rows, path):
     plt = pyplot()
     panels = [m for m in ('throughput', 'memory', 'generate') if any(r['mode'] == m for r in rows)]
     if not panels:
-        fail("--plot draws throughput, memory and generate rows; this run made none")
+        raise ValueError("--plot draws throughput, memory and generate rows; this run made none")
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, mode in zip(axes[0], panels):
         mine = [r for r in rows if r['mode'] == mode]
@@ -649,49 +572,46 @@ def plot(rows, path):
                title=f"{mode} ({mine[0]['dtype']})")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = path + '.tmp.png'
-    fig.savefig(tmp)
-    os.replace(tmp, path)
+    write_atomic(path, lambda f: fig.savefig(f, format='png'))
 
 
-def main(argv=None):
-    """The benchmark's rows; bad input prints one `error: ...` line and exits with status 2."""
-    try:
-        return run(argv)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
-    except KeyboardInterrupt:
-        raise SystemExit(130)
+MEASURE = {'throughput': bench_throughput, 'memory': bench_memory, 'generate': bench_generate,
+           'represent': bench_represent, 'retrieval': bench_retrieval}
 
 
 def run(argv):
-    args = parse_args(argv)
-    if args.mode == 'memory_cell':
-        return memory_cell(args)
-    if args.plot:
+    """The rows of argv's mode (all: every mode but retrieval), printed as tables, written to --json/--plot."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv, DEFAULTS, BENCH_CHOICES, __doc__, positional='mode')
+    if args['mode'] == 'memory_cell':
+        return memory_cell(settings(argv, 'memory'))
+    for key in ('json', 'plot'):  # before the benchmark, not after it
+        if args[key]:
+            check_output_file(args[key], key)
+    if args['plot']:
         pyplot()
-    run = {'throughput': bench_throughput, 'memory': bench_memory, 'generate': bench_generate,
-           'represent': bench_represent, 'retrieval': bench_retrieval}
+    modes = [m for m in MEASURE if m != 'retrieval'] if args['mode'] == 'all' else [args['mode']]
     rows = []
-    for mode in ([m for m in run if m != 'retrieval'] if args.mode == 'all' else [args.mode]):
-        s = settings(args, mode)
+    for mode, s in [(mode, settings(argv, mode)) for mode in modes]:  # every mode's settings checked first
         print(f"## {mode}", flush=True)
-        new = run[mode](s)
+        new = MEASURE[mode](s)
         print('\n' + report(mode, new) + '\n', flush=True)
         rows += new
     summary = ratios(rows)
     if summary:
         print(summary)
-    if args.json:
-        tmp = args.json + '.tmp'
-        with open(tmp, 'w') as f:
-            json.dump(rows, f, indent=1)
-        os.replace(tmp, args.json)
-    if args.plot:
-        plot(rows, args.plot)
+    if args['json']:
+        write_atomic(args['json'], json.dumps(rows, indent=1))
+    if args['plot']:
+        plot(rows, args['plot'])
     return rows
 
 
+def main(argv=None):
+    """The measured rows (a list, for tests and notebooks); bad input: one `error: ...` line, status 2."""
+    return run_main(lambda: run(argv), "interrupted: --json and --plot are written only at the end, so neither was")
+
+
 if __name__ == '__main__':
-    main()
+    status = main()
+    sys.exit(0 if isinstance(status, list) else status)

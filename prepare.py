@@ -463,10 +463,12 @@ def encode(args, documents, total, spec, dtype, pairs):
 
 # ----------------------------------------------------------------------------- command lines and files (every script)
 
-# the smallest value of each numeric key that has one (keys a script lacks are skipped); lr must be > 0
+# the smallest value of each numeric key that has one (keys a script lacks, or holds as a comma list
+# like bench.py's --n_ctx=128,256, are skipped); lr must be > 0
 LOWEST = dict(batch_size=1, grad_accum=1, warmup_iters=0, max_iters=0, max_time=0.0, eval_interval=1, eval_iters=1,
               log_interval=1, min_lr=0.0, weight_decay=0.0, grad_clip=0.0, seed=0, n_ctx=2, n_layers=1, d_model=1,
-              vocab_size=0, max_docs=0, max_tokens=0)
+              vocab_size=0, max_docs=0, max_tokens=0, k=1, show=0, warmup=0, repeats=1, mem_limit=0, prompt=1,
+              new_tokens=1, steps=1)
 
 
 def parse_args(argv, defaults, choices=None, doc=None, positional=None):
@@ -502,7 +504,7 @@ def parse_args(argv, defaults, choices=None, doc=None, positional=None):
         if cfg[key] not in allowed:
             raise ValueError(f"--{key}={cfg[key]!r} is invalid: use one of {', '.join(allowed)}")
     for key, low in LOWEST.items():
-        if key in cfg and not low <= cfg[key] < 2 ** 63:
+        if isinstance(cfg.get(key), (int, float)) and not low <= cfg[key] < 2 ** 63:
             raise ValueError(f"--{key}={cfg[key]!r} is out of range: use a value >= {low}" + " (and < 2**63)" * (cfg[key] > 0))
     if 'lr' in cfg and not 0 < cfg['lr'] >= cfg.get('min_lr', 0):
         raise ValueError(f"--lr={cfg['lr']!r} must be > 0 and >= --min_lr={cfg.get('min_lr')!r}")
