@@ -283,7 +283,7 @@ def bench_generate(s):
             raise ValueError(f"--prompt={s.prompt} plus --new_tokens={s.new_tokens} exceeds n_ctx={cfg.n_ctx}: "
                              f"shorten them or raise --n_ctx")
         torch.manual_seed(s.seed)
-        model = build_model(cfg).to(s.dev, s.torch_dtype).eval()
+        model = build_model(cfg).to(s.dev, s.torch_dtype).eval().decode_layout()  # as sample.py decodes
         if s.compile:  # each model's step is one more graph of decode_step: stay under the recompile limit
             torch._dynamo.reset()
         for batch in s.batch_size:
