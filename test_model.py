@@ -10,26 +10,8 @@ CPU only, tiny models, every fixture made by the tests themselves. Run: python -
      kill -9 + resume is bit-identical, the dtype fallback    7. retrieve.py    8. bench.py
   9. refusals in every script: status 2, one `error:` line naming the culprit, nothing overwritten
 """
-import ast
-import dataclasses
-import hashlib
-import http.server
-import io
-import json
-import math
-import os
-import platform
-import random
-import re
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
-import types
-import urllib.parse
+import ast, dataclasses, hashlib, http.server, io, json, math, os, platform, random, re, shutil, signal, socket
+import subprocess, sys, threading, time, types, urllib.parse
 
 import numpy as np
 import pyarrow as pa
@@ -39,14 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import bench, model as M, prepare, retrieve, sample, train
 from model import ModelConfig, build_model
 from prepare import Tokenizer, docstring_pairs, ict_pairs
-import bench
-import model as M
-import prepare
-import retrieve
-import sample
-import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # the repo: scripts run from here
 MAINS = {'train': train.main, 'sample': sample.main, 'retrieve': retrieve.main, 'prepare': prepare.main,
@@ -624,7 +601,8 @@ def test_cli_samples_are_reproducible_and_batched(trained, capsys):
     assert first.startswith('def f1_') and second.startswith('def f1_') and first != second
     assert run_main(capsys, 'sample', *argv, '--num_samples=2')[1] == two
     one = run_main(capsys, 'sample', *argv, '--temperature=0')[1]
-    assert run_main(capsys, 'sample', *argv, '--temperature=0', '--num_samples=3')[1] == (one + '-' * 40 + '\n') * 2 + one
+    three = run_main(capsys, 'sample', *argv, '--temperature=0', '--num_samples=3')[1]
+    assert three == (one + '-' * 40 + '\n') * 2 + one
 
 
 @pytest.mark.parametrize('arch', ['mixer', 'llama'])
@@ -647,7 +625,7 @@ def test_cli_greedy_window_equals_cache(arch, trained, tmp_path, capsys):
 
 
 def test_cli_prompts(trained, data, tmp_path, capsys):
-    """No prompt starts from BOS; FILE: reads a prompt file; a long prompt keeps its last n_ctx - 1 tokens, announced."""
+    """No prompt starts from BOS; FILE: reads a file; a long prompt keeps its last n_ctx - 1 tokens, announced."""
     code, out, err = run_main(capsys, 'sample', f'--out_dir={trained}', '--max_new_tokens=10')
     assert code == 0 and out.strip()
     (tmp_path / 'p.txt').write_text('def f7_1(x):\n')
@@ -662,7 +640,7 @@ def test_cli_prompts(trained, data, tmp_path, capsys):
     assert long.endswith(kept) and out.startswith(kept) and len(out) > len(kept) + 1
 
 
-def test_script_errors_exit_2_without_traceback():
+def test_sample_run_from_the_shell_exits_2_without_traceback():
     r = subprocess.run([sys.executable, 'sample.py', '--ckpt=/nonexistent/ckpt.pt'], capture_output=True, text=True,
                        cwd=HERE)
     assert r.returncode == 2 and r.stderr.startswith('error: ') and '/nonexistent/ckpt.pt' in r.stderr
@@ -1067,7 +1045,7 @@ LEARNS = ([(a, o, []) for a in ('mixer', 'llama', 'gpt', 'hybrid', 'gmlp', 'elit
           + [('llama', 'clm', ['--batch_mode=documents', '--padding=left'])])   # padded batches, pad mask
 
 
-@pytest.mark.parametrize('arch,objective,extra', LEARNS, ids=[f'{a}-{o}' + '-documents' * bool(e) for a, o, e in LEARNS])
+@pytest.mark.parametrize('arch,objective,extra', LEARNS, ids=[f'{a}-{o}' + '-docs' * bool(e) for a, o, e in LEARNS])
 def test_every_arch_and_objective_learns(data, tmp_path, arch, objective, extra):
     """20 steps lower the training loss by 0.5 nats, and the checkpoint rebuilds the trained model."""
     assert train_run(data, tmp_path, f'--arch={arch}', f'--objective={objective}', '--max_iters=20',
@@ -1076,7 +1054,8 @@ def test_every_arch_and_objective_learns(data, tmp_path, arch, objective, extra)
     assert [r['step'] for r in evals] == [0, 20] and evals[1]['train_loss'] < evals[0]['train_loss'] - 0.5
     ckpt = weights(tmp_path)
     assert ckpt['step'] == 20 and ckpt['model_config']['objective'] == objective
-    assert torch.equal(train.model_from_checkpoint(ckpt).state_dict()['lm_head.weight'], ckpt['model']['lm_head.weight'])
+    head = train.model_from_checkpoint(ckpt).state_dict()['lm_head.weight']
+    assert torch.equal(head, ckpt['model']['lm_head.weight'])
 
 
 @pytest.mark.parametrize('padding', ['right', 'left'])
@@ -1125,7 +1104,7 @@ def test_auto_dtype_picks_bf16_where_it_is_native(monkeypatch):
     monkeypatch.setattr(torch.ops.mkldnn, '_is_mkldnn_bf16_supported', lambda: True)
     for fp32_over_bf16, expected in ((4.0, torch.bfloat16), (1.0, torch.float32)):  # fast native / slow "native"
         monkeypatch.setattr(train, '_cpu_probe', [])
-        monkeypatch.setattr(train, 'matmul_seconds', lambda dtype, *a: 1.0 if dtype == torch.bfloat16 else fp32_over_bf16)
+        monkeypatch.setattr(train, 'matmul_seconds', lambda dt, *a: 1.0 if dt == torch.bfloat16 else fp32_over_bf16)
         assert train.choose_dtype(torch.device('cpu'), 'auto')[0] == expected
     for has_bf16, expected in ((True, torch.bfloat16), (False, torch.float16)):     # CUDA, mocked
         monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: has_bf16)
@@ -1282,8 +1261,8 @@ def make_ckpt(path, data_dir, **kw):
     meta = train.load_meta(str(data_dir))
     cfg = ModelConfig(**{**dict(n_ctx=32, d_model=32, n_layers=2), **kw, 'vocab_size': meta['vocab_size']})
     torch.manual_seed(0)
-    train.save_checkpoint({'kind': 'lm', 'model_config': dataclasses.asdict(cfg), 'model': build_model(cfg).state_dict(),
-                           'data': {'data_dir': str(data_dir), 'meta': meta}}, str(path))
+    train.save_checkpoint({'kind': 'lm', 'model_config': dataclasses.asdict(cfg), 'data': {'data_dir': str(data_dir),
+                           'meta': meta}, 'model': build_model(cfg).state_dict()}, str(path))
     return str(path)
 
 
@@ -1466,7 +1445,7 @@ def test_eval_identical_texts_is_100_percent_and_n_is_capped(corpus, autoencoder
 def test_eval_random_scores_are_one_in_n_minus_one():
     """Table 1's n: one query, its target and n-2 non-matching targets, so chance is 1/(n-1)."""
     pairs = 3000
-    m = retrieve.retrieval_metrics(unit(pairs, 64, seed=5).float(), unit(pairs, 64, seed=6).float(), ns=(3, 8, 32), seed=0)
+    m = retrieve.retrieval_metrics(unit(pairs, 64, seed=5).float(), unit(pairs, 64, seed=6).float(), (3, 8, 32), seed=0)
     for n in (3, 8, 32):
         p, sd = 100 / (n - 1), 100 * math.sqrt((1 / (n - 1)) * (1 - 1 / (n - 1)) / pairs)
         assert abs(m['top1'][str(n)] - p) < 4 * sd, (n, m['top1'])
@@ -1487,7 +1466,8 @@ class FakeSentenceTransformer:
 def test_eval_peer_scores_a_sentence_transformer_on_the_same_pairs(corpus, capsys, tmp_path, monkeypatch):
     """--peer scores a sentence-transformers model by the same metric on the same pairs, beside the checkpoint."""
     pairs = corpus[1] / 'pairs_val.jsonl'
-    monkeypatch.setitem(sys.modules, 'sentence_transformers', types.SimpleNamespace(SentenceTransformer=FakeSentenceTransformer))
+    fake = types.SimpleNamespace(SentenceTransformer=FakeSentenceTransformer)
+    monkeypatch.setitem(sys.modules, 'sentence_transformers', fake)
     code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={corpus[2]}', '--peer=fake-peer', f'--pairs={pairs}',
                               '--n=8,16', f'--json={tmp_path}/m.json')
     assert code == 0, err
@@ -1499,7 +1479,7 @@ def test_eval_peer_scores_a_sentence_transformer_on_the_same_pairs(corpus, capsy
     assert out.count('top-1%') == 2 and 'fake-peer: 48 pairs' in out
     refused(capsys, 'retrieve', ['eval', '--peer=missing', f'--pairs={pairs}', '--n=8'], 'missing')
     monkeypatch.setitem(sys.modules, 'sentence_transformers', None)      # not installed: say how to install it
-    refused(capsys, 'retrieve', ['eval', '--peer=all-MiniLM-L6-v2', f'--pairs={pairs}'], 'pip install sentence-transformers')
+    refused(capsys, 'retrieve', ['eval', '--peer=all-MiniLM-L6-v2', f'--pairs={pairs}'], 'pip install sentence-transf')
 
 
 def test_retrieval_mixer_learns_algorithm1_inputs():
@@ -1520,8 +1500,8 @@ def test_retrieval_mixer_learns_algorithm1_inputs():
 
 def test_indirect_trains_and_reports(corpus, capsys, tmp_path):
     code, out, err = run_main(capsys, 'retrieve', 'indirect', f'--ckpt={corpus[2]}', f'--data_dir={corpus[1]}',
-                              f'--out_dir={tmp_path}/ind', '--c=4,8', '--n_layers=1', '--max_iters=6', '--eval_interval=6',
-                              '--eval_iters=1', '--batch_size=16', f'--json={tmp_path}/ind.json')
+                              f'--out_dir={tmp_path}/ind', '--c=4,8', '--n_layers=1', '--max_iters=6',
+                              '--eval_interval=6', '--eval_iters=1', '--batch_size=16', f'--json={tmp_path}/ind.json')
     assert code == 0, err
     res = json.loads((tmp_path / 'ind.json').read_text())['c']
     assert set(res) == {'4', '8'} and all(0 <= r['top1'] <= 100 and r['loss'] > 0 for r in res.values())
@@ -1553,11 +1533,11 @@ def test_index_and_search(corpus, capsys, tmp_path):
     refused(capsys, 'retrieve', ['search', f'--index={index}', '--query=sort the load', f'--ckpt={llama}'], 'llama.pt',
             keep=[index])
     refused(capsys, 'retrieve', ['search', f'--index={index}', '--query=  '], 'query')
-    assert run_main(capsys, 'retrieve', 'index', f'--ckpt={llama}', f'--docs={data}/pairs_val.jsonl', f'--index={index}',
-                    '--overwrite')[0] == 0
-    code, out, err = run_main(capsys, 'retrieve', 'search', f'--index={index}', '--query=sort the load', f'--ckpt={llama}')
+    assert run_main(capsys, 'retrieve', 'index', f'--ckpt={llama}', f'--docs={data}/pairs_val.jsonl',
+                    f'--index={index}', '--overwrite')[0] == 0
+    code, out, _ = run_main(capsys, 'retrieve', 'search', f'--index={index}', '--query=sort', f'--ckpt={llama}')
     assert code == 0 and out.startswith('1. ')
-    assert sorted(p.name.split('.')[0] for p in index.iterdir()) == ['chunks', 'embeddings', 'manifest']  # its files only
+    assert sorted(p.name.split('.')[0] for p in index.iterdir()) == ['chunks', 'embeddings', 'manifest']  # no leftovers
 
 
 def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
@@ -1603,7 +1583,8 @@ def test_train_paper_negatives_and_autoencoder_encoder(corpus, autoencoder, caps
     for ckpt, extra in ((corpus[3], ['--negatives=paper', '--batch_size=1', '--grad_accum=2']), (autoencoder, [])):
         out_dir = tmp_path / os.path.basename(ckpt)
         code, out, err = run_main(capsys, 'retrieve', 'train', f'--init_from={ckpt}', f'--data_dir={corpus[1]}',
-                                  f'--out_dir={out_dir}', '--max_iters=2', '--eval_interval=2', '--eval_iters=1', *extra)
+                                  f'--out_dir={out_dir}', '--max_iters=2', '--eval_interval=2', '--eval_iters=1',
+                                  *extra)
         assert code == 0, err
         before, after = torch.load(ckpt, weights_only=True)['model'], train.load_checkpoint(out_dir / 'ckpt.pt')
         changed = {k for k in before if not torch.equal(before[k], after['model'][k])}
@@ -1709,7 +1690,8 @@ def test_bench_represent_recovers_what_reaches_the_layer():
     with torch.no_grad():
         for p in model.backbone.blocks.parameters():
             p.zero_()
-    by = {(r['layer'], r['positions']): r for r in bench.represent_rows(model, bench_tokens(128), [1, 2], steps=500, lr=0.05)}
+    rows = bench.represent_rows(model, bench_tokens(128), [1, 2], steps=500, lr=0.05)
+    by = {(r['layer'], r['positions']): r for r in rows}
     assert by[2, 'all']['hamming'] == 0 and by[1, 'all']['hamming'] == 0 and by[2, 'last']['hamming'] > 0.8
     assert by[2, 'all']['converged'] == 1 and by[2, 'all']['loss'] < by[2, 'all']['epsilon']
     model = bench_mixer(vocab=64)
@@ -1721,7 +1703,7 @@ def test_bench_represent_recovers_what_reaches_the_layer():
 
 
 def test_bench_represent_untrained_mixer_beats_llama():
-    """The paper's §3.3 finding, in small: an untrained masked mixer's last layer gives its input back, a llama's not."""
+    """The paper's §3.3 finding, in small: an untrained mixer's last layer gives its input back, a llama's does not."""
     rows = bench.main(['represent', '--d_model=128', '--n_layers=2', '--n_ctx=16', '--vocab_size=256'])
     h = {(r['arch'], r['positions']): r['hamming'] for r in rows}
     assert h['mixer', 'all'] < 0.05 and h['llama', 'all'] > 0.5 and all(r['layer'] == 2 for r in rows)
@@ -1754,7 +1736,8 @@ def test_bench_all_prints_tables_writes_json_and_plot(tmp_path, capsys):
                        '--warmup=1', '--repeats=1', f'--json={js}', *([f'--plot={png}'] if has_plot else [])])
     out = capsys.readouterr().out
     assert {r['mode'] for r in rows} == {'throughput', 'memory', 'generate', 'represent'}
-    assert all(h in out for h in ('## throughput', '## memory', '## generate', '## represent', '| arch |', '| n_layers=1 |'))
+    assert all(f'## {mode}' in out for mode in ('throughput', 'memory', 'generate', 'represent'))
+    assert '| arch |' in out and '| n_layers=1 |' in out
     assert json.loads(js.read_text()) == rows
     assert not has_plot or (png.read_bytes()[:4] == b'\x89PNG' and not os.path.exists(f'{png}.tmp.png'))
 
@@ -1858,7 +1841,7 @@ def scratch(tmp_path, data_dir):
                           ('latin1.txt', 'déjà vu, naïve café\n'.encode('latin-1')),
                           ('latin1.jsonl', '{"query": "café", "target": "naïve"}\n'.encode('latin-1') * 3),
                           ('ascii.txt', bytes(range(33, 127)) * 20),
-                          ('bad.jsonl', b'{"query": "a", "target": "b"}\n{"query": "c", "target": "d"}\n{"query": oops}\n')]:
+                          ('bad.jsonl', b'{"query": "a", "target": "b"}\n' * 2 + b'{"query": oops}\n')]:
         (tmp_path / name).write_bytes(content)
     (tmp_path / 'empty').mkdir()
     buf = io.BytesIO()
@@ -1869,7 +1852,7 @@ def scratch(tmp_path, data_dir):
     make_ckpt(tmp_path / 'n1.pt', data_dir, n_ctx=1)
 
 
-@pytest.mark.parametrize('script,argv,culprit', REFUSALS, ids=[f'{s}-{i}' for i, (s, _, _) in enumerate(REFUSALS)])
+@pytest.mark.parametrize('script,argv,culprit', REFUSALS, ids=[f'{s}:{c}' for s, _, c in REFUSALS])
 def test_refusal(script, argv, culprit, request, tmp_path, capsys):
     corpus = request.getfixturevalue('corpus')
     scratch(tmp_path, corpus[1])
@@ -1923,7 +1906,8 @@ def test_a_finished_run_is_never_replaced_unasked(case, data, trained, corpus, c
         'retrieve train': (['train', f'--init_from={mixer}', f'--data_dir={pairs}', f'--out_dir={run}'], '--overwrite'),
         'retrieve indirect': (['indirect', f'--ckpt={mixer}', f'--data_dir={pairs}', f'--out_dir={tmp_path}', '--c=4'],
                               '--overwrite'),
-        'retrieve index': (['index', f'--ckpt={mixer}', f'--docs={pairs}/pairs_val.jsonl', f'--index={run}'], '--overwrite'),
+        'retrieve index': (['index', f'--ckpt={mixer}', f'--docs={pairs}/pairs_val.jsonl', f'--index={run}'],
+                           '--overwrite'),
     }[case]
     refused(capsys, case.split()[0], argv, culprit, keep=[trained if case == 'train' else run])
 
