@@ -1626,10 +1626,10 @@ def test_bench_memory(capsys):
     # parameters + gradients alone are 2 x 4 bytes x ~2.2M (two 256x1024 MLPs per layer, the
     # 4096 x 256 token table, two 256x256 mixings) = ~17 MB
     assert len(rows) == 1 and 15 < rows[0]['mb'] < 200 and '| n_layers=2 |' in capsys.readouterr().out
-    assert bench.run_cell(bench.settings(bench.parse_args(['memory', *big, '--mem_limit=1']), 'memory'),
+    assert bench.run_cell(bench.settings(['memory', *big, '--mem_limit=1'], 'memory'),
                           'mixer', 2, 256) is None
     small = ['--d_model=64', '--n_layers=2', '--n_ctx=512', '--dtype=float32', '--batch_size=2']
-    one, eight = (bench.settings(bench.parse_args(['memory', *small, f'--n_heads={h}']), 'memory') for h in (1, 8))
+    one, eight = (bench.settings(['memory', *small, f'--n_heads={h}'], 'memory') for h in (1, 8))
     assert [cfg.n_heads for cfg in bench.grid(eight)] == [1, 8]        # the default archs: mixer, llama
     # the 7 more heads' attention weights kept for backward alone: 7 x 2 rows x 512^2 x 4 bytes x 2
     # layers = 29 MB (peak RSS shows 55 to 100 MB more, depending on the allocator's reuse)
