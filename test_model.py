@@ -255,6 +255,21 @@ def test_window_equals_cache_equals_full_forward(variant):
     torch.testing.assert_close(logit_c[:, :N_CTX - 5], full[:, 4:-1], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize('variant', VARIANTS, ids=name)
+def test_decode_layout_changes_strides_not_tokens(variant):
+    """decode_layout (sample.py and bench.py call it) stores wide Linear weights column-major for
+    faster batch-1 GEMVs: the same greedy tokens, logits equal up to summation order."""
+    model = tiny_model(**variant)
+    idx = prompt(5)
+    before = decode(model, idx, N_CTX, 'cache')
+    model.decode_layout()
+    wide = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features > m.in_features]
+    assert wide and all(w.t().is_contiguous() for w in wide)
+    after = decode(model, idx, N_CTX, 'cache')
+    assert torch.equal(before[0], after[0])
+    torch.testing.assert_close(before[1], after[1], atol=1e-5, rtol=1e-6)
+
+
 @pytest.mark.parametrize('arch', ['mixer', 'llama'])
 def test_compiled_decode_step_traces_once_for_all_positions(arch):
     """stream(compile=True) wraps decode_step in one dynamic-shape graph that serves every position
