@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from model import Backbone, Context, ModelConfig, build_model, decode_bytes, flops_per_token, measure_peak_flops
-from prepare import LOWEST, Tokenizer, check_output_file, parse_args, run_main, write_atomic
-from retrieve import PairBatches, TextEncoder, info_nce, int_list
+from prepare import LOWEST, Tokenizer, check_output_file, int_list, parse_args, run_main, write_atomic
+from retrieve import PairBatches, TextEncoder, info_nce
 from train import (CHOICES, autocast, choose_dtype, configure_optimizer, load_checkpoint, load_meta,
                    model_from_checkpoint, resolve_device)
 

@@ -168,6 +168,15 @@ def stdlib_files():
     return root, sorted(f.replace(os.sep, '/') for f in files)
 
 
+def visible_files(folder):
+    """Every file under folder, sorted, hidden files and folders skipped (--input, retrieve's --docs)."""
+    files = []
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith('.'))
+        files += [os.path.join(root, n) for n in sorted(names) if not n.startswith('.')]
+    return files
+
+
 def text_files(patterns, out_dir):
     """Files named by --input (files, folders, globs), as the folder they share and paths within it;
     files inside out_dir (a previous run's outputs) are not input."""
@@ -177,10 +186,7 @@ def text_files(patterns, out_dir):
         if not matches or not all(map(os.path.exists, matches)):
             raise ValueError(f'--input {pattern!r} matches no files')
         for m in matches:
-            files += [m] if not os.path.isdir(m) else []
-            for folder, dirs, names in os.walk(m):  # hidden files and folders are skipped
-                dirs[:] = sorted(d for d in dirs if not d.startswith('.'))
-                files += [os.path.join(folder, f) for f in sorted(names) if not f.startswith('.')]
+            files += visible_files(m) if os.path.isdir(m) else [m]
     out_dir = os.path.abspath(out_dir)
     files = [f for f in map(os.path.abspath, dict.fromkeys(files)) if os.path.commonpath([f, out_dir]) != out_dir]
     if not files:
@@ -511,6 +517,17 @@ def parse_args(argv, defaults, choices=None, doc=None, positional=None):
     return cfg
 
 
+def int_list(text, key, low=1):
+    """--key=32,64,128 -> [32, 64, 128], each >= low (lists on the command line)."""
+    try:
+        values = [int(v) for v in str(text).split(',') if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < low:
+        raise ValueError(f"--{key}={text!r}: give comma-separated integers >= {low}")
+    return values
+
+
 def read_preset(path, cfg):
     """A preset's `key = value` lines as a dict; values may use earlier keys (n_ctx * 2)."""
     if not os.path.isfile(path):
@@ -680,9 +697,7 @@ def commit(out_dir, produced, meta):
         for stale in [path + '.tmp'] + [path] * (name not in produced):  # left by a run with other options
             if os.path.exists(stale):
                 os.remove(stale)
-    with open(meta_path + '.tmp', 'w') as f:
-        f.write(json.dumps(meta, indent=2) + '\n')
-    os.replace(meta_path + '.tmp', meta_path)
+    write_atomic(meta_path, json.dumps(meta, indent=2) + '\n')
 
 
 def carve(read, n_docs):

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 
 import train
 from model import RetrievalMixer
-from prepare import Tokenizer, check_out_dir, check_output_file, parse_args, read_text_file, run_main, write_atomic
+from prepare import (Tokenizer, check_out_dir, check_output_file, int_list, parse_args, read_text_file, run_main,
+                     visible_files, write_atomic)
 
 TAU = 0.02             # InfoNCE temperature (eq. 8)
 PAPER_N = 32           # --negatives=paper: n = 32 sequences, a query, its target and 30 non-matching ones (§6.3)
@@ -128,17 +129,6 @@ def read_pairs(path):
 
 def write_json(path, obj):
     write_atomic(path, json.dumps(obj, indent=1) + '\n')
-
-
-def int_list(text, key, low=1):
-    """--key=32,64,128 -> [32, 64, 128], each >= low (retrieve's n and c, bench's sizes and layers)."""
-    try:
-        values = [int(v) for v in str(text).split(',') if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < low:
-        raise ValueError(f"--{key}={text!r}: give comma-separated integers >= {low}")
-    return values
 
 
 # ----------------------------------------------------------------------------- embeddings
@@ -544,10 +534,7 @@ def collect_documents(paths):
     docs = []
     for path in paths:
         if os.path.isdir(path):
-            for root, dirs, names in os.walk(path):
-                dirs[:] = sorted(d for d in dirs if not d.startswith('.'))
-                files = [os.path.join(root, n) for n in sorted(names) if not n.startswith('.')]
-                docs += [(f, text) for f in files if (text := read_text(f)) is not None]
+            docs += [(f, text) for f in visible_files(path) if (text := read_text(f)) is not None]
         elif path.endswith('.jsonl'):
             for lineno, row in read_jsonl(path):
                 text = row.get('text', row.get('target')) if isinstance(row, dict) else None
