@@ -56,7 +56,16 @@ class Tokenizer:
 
     def __init__(self, spec, data_dir='.'):
         if spec['kind'] == 'tiktoken':
-            self.enc = load_tiktoken(spec['name'])
+            import tiktoken
+            names = tiktoken.list_encoding_names()
+            if spec['name'] not in names:
+                raise ValueError(f"unknown tiktoken encoding {spec['name']!r}; known: {', '.join(names)}")
+            try:
+                self.enc = tiktoken.get_encoding(spec['name'])
+            except Exception as e:  # the first use downloads the vocabulary
+                raise ValueError(f"tiktoken could not fetch the {spec['name']!r} vocabulary ({type(e).__name__}); "
+                                 'run once with network access (it is then cached in $TIKTOKEN_CACHE_DIR) or use a '
+                                 '.model file')
             self.vocab_size = self.enc.n_vocab
             self.bos_id = self.eos_id = self.pad_id = self.enc.eot_token  # GPT-style: one <|endoftext|>
         elif spec['kind'] != 'sentencepiece':
@@ -70,8 +79,7 @@ class Tokenizer:
             self.pad_id = self.sp.pad_id() if self.sp.pad_id() >= 0 else self.eos_id
             if min(self.bos_id, self.eos_id) < 0:
                 raise ValueError(f'tokenizer model {path} has no BOS/EOS pieces')
-            # merges cannot cross a line break no piece contains, so lines encode independently: same
-            # ids, 1.5x faster on long documents
+            # no piece holds a line break, so merges cannot cross one: lines encode independently, 1.5x faster
             pieces = map(self.sp.id_to_piece, range(self.vocab_size))
             self.by_line = all(''.join(p.splitlines()) == p for p in pieces)
         self.specials = [self.bos_id, self.eos_id, self.pad_id]
@@ -85,8 +93,7 @@ class Tokenizer:
         path = os.path.join(data_dir, 'meta.json')
         if not os.path.isfile(path):
             raise FileNotFoundError(f'{path} not found: prepare the data first (python prepare.py)')
-        with open(path) as f:
-            return cls.from_meta(json.load(f), data_dir)
+        return cls.from_meta(json.loads(Path(path).read_text()), data_dir)
 
     def encode(self, text, bos=False, eos=False):
         if self.enc:
@@ -106,17 +113,6 @@ class Tokenizer:
         return self.enc.decode(ids) if self.enc else self.sp.decode(ids)
 
 
-def load_tiktoken(name):
-    import tiktoken
-    if name not in tiktoken.list_encoding_names():
-        raise ValueError(f"unknown tiktoken encoding {name!r}; known: {', '.join(tiktoken.list_encoding_names())}")
-    try:
-        return tiktoken.get_encoding(name)
-    except Exception as e:  # the first use downloads the vocabulary
-        raise ValueError(f'tiktoken could not fetch the {name!r} vocabulary ({type(e).__name__}); run once with '
-                        'network access (it is then cached in $TIKTOKEN_CACHE_DIR) or use a .model file')
-
-
 # ----------------------------------------------------------------------------- documents
 # A reader returns (documents, inputs, total, source): documents() yields (split, key, text, summary) in
 # a fixed order, inputs identify what was read (for the fingerprint), total is the size in bytes if known.
@@ -127,8 +123,7 @@ def split_of(key, val_share):
 
 
 def eot_documents(path):
-    """The documents of a text file, split at lines holding only <|endoftext|>. Bytes that are not
-    UTF-8 become U+FFFD, with a warning naming the file (once)."""
+    """A text file's documents, cut at <|endoftext|> lines; non-UTF-8 bytes become U+FFFD, with a warning."""
     lines, replaced = [], NOT_UTF8[0]
     with open(path, encoding='utf-8', errors='count-replace') as f:
         for line in f:
@@ -147,8 +142,7 @@ def eot_documents(path):
 NOT_UTF8, WARNED = [0], set()  # undecodable byte runs met so far; files warned about
 
 
-def count_replace(e):
-    """Decoding error handler: U+FFFD as errors='replace' gives, counted for the warning."""
+def count_replace(e):  # errors='replace', counted for the warning
     NOT_UTF8[0] += 1
     return '\ufffd', e.end
 
@@ -156,30 +150,25 @@ def count_replace(e):
 codecs.register_error('count-replace', count_replace)
 
 
-def stdlib_files():
-    """The standard library's modules, sorted; test suites and generated tables are left out."""
-    root, files = sysconfig.get_paths()['stdlib'], []
-    for folder, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in STDLIB_SKIP]
-        for name in names:
-            path = os.path.join(folder, name)
-            if name.endswith('.py') and not STDLIB_GENERATED.search(open(path, 'rb').read(400)):
-                files.append(os.path.relpath(path, root))
-    return root, sorted(f.replace(os.sep, '/') for f in files)
-
-
-def visible_files(folder):
-    """Every file under folder, sorted, hidden files and folders skipped (--input, retrieve's --docs)."""
+def visible_files(folder, skip=()):
+    """Every file under folder, sorted, hidden files and folders (and those named in skip) left out."""
     files = []
     for root, dirs, names in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith('.'))
+        dirs[:] = sorted(d for d in dirs if not d.startswith('.') and d not in skip)
         files += [os.path.join(root, n) for n in sorted(names) if not n.startswith('.')]
     return files
 
 
+def stdlib_files():
+    """The standard library's modules, sorted; test suites and generated tables are left out."""
+    root = sysconfig.get_paths()['stdlib']
+    files = [f for f in visible_files(root, STDLIB_SKIP)
+             if f.endswith('.py') and not STDLIB_GENERATED.search(open(f, 'rb').read(400))]
+    return root, sorted(os.path.relpath(f, root).replace(os.sep, '/') for f in files)
+
+
 def text_files(patterns, out_dir):
-    """Files named by --input (files, folders, globs), as the folder they share and paths within it;
-    files inside out_dir (a previous run's outputs) are not input."""
+    """--input's files as (the folder they share, paths within it); out_dir's (earlier outputs) left out."""
     files = []
     for pattern in patterns:
         matches = sorted(glob.glob(pattern, recursive=True)) if any(c in pattern for c in '*?[') else [pattern]
@@ -258,8 +247,8 @@ def hub_shards(args, repo, folder):
         tree = HfApi(endpoint=args.hub_url).list_repo_tree(repo, path_in_repo=folder, repo_type='dataset')
         names = sorted(f.path for f in tree if f.path.endswith('.parquet'))
     except Exception as e:
-        names = sorted(f'{folder}/{f}' for f in os.listdir(local) if f.endswith('.parquet')) \
-            if os.path.isdir(local) else []
+        found = glob.glob(os.path.join(glob.escape(local), '*.parquet'))
+        names = sorted(f'{folder}/{os.path.basename(f)}' for f in found)
         if not names:
             raise e if isinstance(e, ValueError) else ValueError(f'listing {repo}/{folder} failed ({e}); {hint}')
         print(f'hub out of reach: using the {len(names)} shards already in {local}', file=sys.stderr)
@@ -385,8 +374,7 @@ def train_tokenizer(documents, stride, vocab_size, path):
         raise ValueError(f'tokenizer training failed: {why}')
     finally:
         bar.close()
-    with open(path, 'wb') as f:
-        f.write(model.getvalue())
+    Path(path).write_bytes(model.getvalue())
 
 
 _job = None  # (tokenizer, dtype, pair kind) in each encoding process
@@ -446,9 +434,9 @@ def encode(args, documents, total, spec, dtype, pairs):
             starts[split].append(tokens[split])
             bins[split].write(ids.tobytes())
             tokens[split] += len(ids)
-            if pairs:
+            if lines:
                 jsonl[split].writelines(lines)
-                n_pairs[split] += len(lines)
+            n_pairs[split] += len(lines)
             content.update(digest)
             files.add(key.split('#')[0])
             bar.update(size)
@@ -478,10 +466,9 @@ LOWEST = dict(batch_size=1, grad_accum=1, warmup_iters=0, max_iters=0, max_time=
 
 
 def parse_args(argv, defaults, choices=None, doc=None, positional=None):
-    """The one command-line syntax of every script (nanoGPT's): defaults, then each preset file and
-    --key=value in argv order, typed like the default. `positional` names the key a leading bare word
-    sets (bench.py's mode, retrieve.py's command, prepare.py's dataset); other bare words are presets.
-    --help prints doc (default: the running script's docstring) and the keys, then exits."""
+    """Every script's command line (nanoGPT's): defaults, then each preset file and --key=value in argv order,
+    typed like the default. A leading bare word sets the key `positional` names (bench.py's mode, retrieve.py's
+    command, prepare.py's dataset); other bare words are presets. --help prints doc and the keys."""
     cfg = dict(defaults)
     args = list(sys.argv[1:] if argv is None else argv)
     if positional and args and not args[0].startswith('-') and not args[0].endswith('.py'):
@@ -511,7 +498,8 @@ def parse_args(argv, defaults, choices=None, doc=None, positional=None):
             raise ValueError(f"--{key}={cfg[key]!r} is invalid: use one of {', '.join(allowed)}")
     for key, low in LOWEST.items():
         if isinstance(cfg.get(key), (int, float)) and not low <= cfg[key] < 2 ** 63:
-            raise ValueError(f"--{key}={cfg[key]!r} is out of range: use a value >= {low}" + " (and < 2**63)" * (cfg[key] > 0))
+            below = " (and < 2**63)" * (cfg[key] > 0)
+            raise ValueError(f"--{key}={cfg[key]!r} is out of range: use a value >= {low}{below}")
     if 'lr' in cfg and not 0 < cfg['lr'] >= cfg.get('min_lr', 0):
         raise ValueError(f"--lr={cfg['lr']!r} must be > 0 and >= --min_lr={cfg.get('min_lr')!r}")
     return cfg
@@ -563,10 +551,10 @@ def typed(key, value, defaults, source):
             value = words[value.lower()] if kind is bool else kind(value)
         except (KeyError, ValueError):
             raise ValueError(f"--{key}={value!r} is not a valid {kind.__name__} (default {defaults[key]!r})") from None
-    if kind is float and type(value) is int:
+    if kind is float and type(value) in (int, float):
         value = float(value)
-    if kind is float and type(value) is float and not math.isfinite(value):
-        raise ValueError(f"--{key}={value!r} in {source} is not a finite number")
+        if not math.isfinite(value):
+            raise ValueError(f"--{key}={value!r} in {source} is not a finite number")
     if type(value) is not kind:
         raise ValueError(f"{key}={value!r} in {source} should be a {kind.__name__} like {defaults[key]!r}")
     return value
@@ -583,9 +571,9 @@ def read_text_file(path, what):
         raise ValueError(f"{what} {path} is not UTF-8 text (byte {e.start} is {data[e.start]:#04x}): save it as "
                          f"UTF-8, e.g. iconv -f latin1 -t utf-8") from None
 
+
 def write_atomic(path, data):
-    """Write str, bytes or what write(f) writes to a temp file, fsync, then rename it into place:
-    a crash leaves the old file whole (every output and checkpoint goes through here)."""
+    """str, bytes or what data(f) writes, to a temp file renamed into place: a crash leaves the old file whole."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, 'wb') as f:
@@ -605,8 +593,7 @@ RUN_FILES = ('ckpt.pt', 'best.pt', 'log.jsonl')  # what makes an out_dir hold a 
 
 
 def check_out_dir(out_dir, fresh=False, overwrite=False, flag='out_dir', resumable=True):
-    """Fail before any work if out_dir cannot be written, or if a fresh (not resumed) run would
-    replace the run it holds and the user did not say --overwrite."""
+    """Fail before any work if out_dir is not writable or a fresh run would replace its run unasked (--overwrite)."""
     held = [f for f in RUN_FILES if os.path.isfile(os.path.join(out_dir, f))]
     writer = int(os.environ.get('RANK', 0)) == 0  # DDP: only rank 0 writes; the others may look after it began
     if fresh and held and not overwrite and writer:
@@ -631,12 +618,12 @@ def check_output_file(path, flag):
         open(probe, 'w').close()
         os.remove(probe)
     except OSError as e:
-        raise ValueError(f"cannot write --{flag}={path} ({e.strerror or e}): name a file in a writable folder") from None
+        raise ValueError(f"cannot write --{flag}={path} ({e.strerror or e}): name a file in a writable folder") \
+            from None
 
 
 def remove_leftovers(out_dir, fresh):
-    """Delete the temp files of killed runs (NAME.tmpPID whose process is gone) and, for a fresh
-    run (the user said --overwrite), the previous run's checkpoints and log."""
+    """Delete killed runs' temp files (NAME.tmpPID, the process gone) and, if fresh, the old run's files."""
     for name in os.listdir(out_dir):
         _, tmp, pid = name.rpartition('.tmp')
         if tmp and pid.isdigit() and not pid_alive(int(pid)) or fresh and name in RUN_FILES:
@@ -646,16 +633,14 @@ def remove_leftovers(out_dir, fresh):
 def pid_alive(pid):
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # alive, but another user's
-        pass
-    return True
+        return True
+    except OSError as e:  # PermissionError: alive, but another user's
+        return not isinstance(e, ProcessLookupError)
 
 
-def run_main(body, interrupted='interrupted', cleanup=None):
+def run_main(body, interrupted='interrupted'):
     """Every script's main(): bad input prints one `error: ...` line and returns 2, Ctrl-C returns 130
-    with `interrupted` (what survives and how to go on), --help returns 0; cleanup() runs in every case."""
+    with `interrupted` (what survives and how to go on), --help returns 0."""
     try:
         return body() or 0
     except (ValueError, FileNotFoundError) as e:
@@ -666,9 +651,6 @@ def run_main(body, interrupted='interrupted', cleanup=None):
     except KeyboardInterrupt:
         print(interrupted, file=sys.stderr)
         return 130
-    finally:
-        if cleanup:
-            cleanup()
 
 
 # ----------------------------------------------------------------------------- main
@@ -676,8 +658,7 @@ def run_main(body, interrupted='interrupted', cleanup=None):
 def up_to_date(out_dir, fingerprint):
     """True when meta.json carries this fingerprint and every file it lists is complete."""
     try:
-        with open(os.path.join(out_dir, 'meta.json')) as f:
-            meta = json.load(f)
+        meta = json.loads(Path(out_dir, 'meta.json').read_text())
         size, path = np.dtype(meta['dtype']).itemsize, lambda name: os.path.join(out_dir, name)
         return (meta['fingerprint'] == fingerprint and all(os.path.isfile(path(f)) for f in meta['outputs'])
                 and all(os.path.getsize(path(f'{s}.bin')) == meta[f'{s}_tokens'] * size for s in SPLITS))
@@ -694,16 +675,14 @@ def commit(out_dir, produced, meta):
         path = os.path.join(out_dir, name)
         if name in produced:
             os.replace(path + '.tmp', path)
-        for stale in [path + '.tmp'] + [path] * (name not in produced):  # left by a run with other options
-            if os.path.exists(stale):
-                os.remove(stale)
+        elif os.path.exists(path):  # left by a run with other options
+            os.remove(path)
     write_atomic(meta_path, json.dumps(meta, indent=2) + '\n')
 
 
 def carve(read, n_docs):
-    """documents() of a corpus of n_docs whose split by key left val (or train) empty: its last
-    documents (a tenth, at least one) go to val and the rest to train; a lone document is cut at
-    the line (or character) nine tenths in."""
+    """documents() for a corpus whose split by key left one split empty: its last tenth (at least one
+    document) goes to val; a lone document is cut at the line (or character) nine tenths in."""
     n_val = min(max(1, round(n_docs / 10)), n_docs - 1)
 
     def documents():
