@@ -443,11 +443,9 @@ def bench_represent(s):
 # ----------------------------------------------------------------------------- tables and plots
 
 def fmt(v):
-    if v is None:
-        return 'OOM'
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
-    return str(v)
+    return 'OOM' if v is None else str(v)
 
 
 def markdown(rows, cols):
