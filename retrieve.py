@@ -340,9 +340,9 @@ def cmd_train(cfg):
             idx, mask, labels = batch
             e = model(idx, mask)                                   # (M, d_model): queries, then targets
             q, t = e[:len(labels)], e[len(labels):]
-            if cfg['negatives'] == 'inbatch':
-                return info_nce(q, t, labels, symmetric=cfg['symmetric'])
-            return info_nce(q, t.view(len(labels), -1, t.shape[-1]), labels)
+            if cfg['negatives'] == 'paper':                        # symmetric is False here
+                t = t.view(len(labels), -1, t.shape[-1])           # (B, 31, d_model): each query's group
+            return info_nce(q, t, labels, symmetric=cfg['symmetric'])
 
         extra = {'kind': 'retrieval', 'model_config': src['model_config'], 'data': src['data'],
                  'embed_pos': embed_pos, 'init_from': init_from, 'pairs_dir': os.path.abspath(cfg['data_dir'])}
