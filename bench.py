@@ -151,7 +151,7 @@ def bench_throughput(s):
         torch.manual_seed(s.seed)
         model = build_model(cfg).to(s.dev).train()
         step = torch.compile(model) if s.compile else model
-        xy = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx + 1), generator=gen).to(s.dev)  # every step's
+        xy = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx + 1), generator=gen).to(s.dev)  # each step's batch
         sec = training_step_seconds(s, model, [xy] * (s.warmup + s.repeats), lambda b: step(b[:, :-1], b[:, 1:])[1])
         tps = s.batch_size * cfg.n_ctx / sec
         rows.append(row(s, cfg, batch_size=s.batch_size, ms_per_step=1e3 * sec, tokens_per_s=tps,
@@ -469,32 +469,31 @@ def memory_tables(rows):
 
 
 def ratios(rows):
-    """The mixer-vs-transformer comparisons the README quotes, one line each: a's key over b's, at
-    each n_layers, n_ctx and batch size both were measured at."""
+    """The mixer-vs-transformer comparisons the README quotes, one line each: the key of rows matching a
+    over that of rows differing from them by b, at each n_layers, n_ctx and batch size both were run at."""
     lines = []
 
     def pick(**want):
         return [r for r in rows if all(r.get(k) == v for k, v in want.items())]
 
-    def compare(what, a, b, key):
+    def compare(what, key, a, **b):
         for r in pick(**a):
-            for o in pick(**b, n_ctx=r['n_ctx'], n_layers=r['n_layers'], batch_size=r['batch_size']):
+            for o in pick(**dict(a, **b), n_ctx=r['n_ctx'], n_layers=r['n_layers'], batch_size=r['batch_size']):
                 if r[key] and o[key]:
                     batch = f" batch={r['batch_size']}" if r['mode'] == 'generate' else ''
                     lines.append(f"{what} at n_layers={r['n_layers']} n_ctx={r['n_ctx']}{batch}: "
                                  f"{r[key] / o[key]:.2f}x")
 
     for other in ('llama', 'gpt'):
-        compare(f"throughput mixer/{other}", dict(mode='throughput', arch='mixer'),
-                dict(mode='throughput', arch=other), 'tokens_per_s')
-    compare("memory llama/mixer", dict(mode='memory', arch='llama'), dict(mode='memory', arch='mixer'), 'mb')
+        compare(f"throughput mixer/{other}", 'tokens_per_s', dict(mode='throughput', arch='mixer'), arch=other)
+    compare("memory llama/mixer", 'mb', dict(mode='memory', arch='llama'), arch='mixer')
     for arch in dict.fromkeys(r['arch'] for r in rows):
-        compare(f"retrieval {arch} step time full/trimmed", dict(mode='retrieval', arch=arch, padding='full'),
-                dict(mode='retrieval', arch=arch, padding='trimmed'), 'ms_per_step')
-        compare(f"generate {arch} cache/window", dict(mode='generate', arch=arch, method='cache'),
-                dict(mode='generate', arch=arch, method='window'), 'tokens_per_s')
-    compare("generate mixer cache / llama KV cache", dict(mode='generate', arch='mixer', method='cache'),
-            dict(mode='generate', arch='llama', method='cache'), 'tokens_per_s')
+        compare(f"retrieval {arch} step time full/trimmed", 'ms_per_step',
+                dict(mode='retrieval', arch=arch, padding='full'), padding='trimmed')
+        compare(f"generate {arch} cache/window", 'tokens_per_s',
+                dict(mode='generate', arch=arch, method='cache'), method='window')
+    compare("generate mixer cache / llama KV cache", 'tokens_per_s',
+            dict(mode='generate', arch='mixer', method='cache'), arch='llama')
     return '\n'.join(lines)
 
 
