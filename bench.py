@@ -117,10 +117,6 @@ def sync(dev):
         torch.cuda.synchronize()
 
 
-def random_tokens(cfg, batch, length, gen):
-    return torch.randint(cfg.vocab_size, (batch, length), generator=gen)
-
-
 def row(s, cfg, **measured):
     """One result: the mode, the model's sizes, the dtype, then what was measured."""
     return dict(mode=s.mode, arch=cfg.arch, d_model=cfg.d_model, n_layers=cfg.n_layers, n_ctx=cfg.n_ctx,
@@ -155,7 +151,7 @@ def bench_throughput(s):
         torch.manual_seed(s.seed)
         model = build_model(cfg).to(s.dev).train()
         step = torch.compile(model) if s.compile else model
-        xy = random_tokens(cfg, s.batch_size, cfg.n_ctx + 1, gen).to(s.dev)      # the same batch every step
+        xy = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx + 1), generator=gen).to(s.dev)  # each step's batch
         sec = training_step_seconds(s, model, [xy] * (s.warmup + s.repeats), lambda b: step(b[:, :-1], b[:, 1:])[1])
         tps = s.batch_size * cfg.n_ctx / sec
         rows.append(row(s, cfg, batch_size=s.batch_size, ms_per_step=1e3 * sec, tokens_per_s=tps,
@@ -177,24 +173,17 @@ def proc_status(key):
         raise ValueError("CPU memory cells read /proc/self/status (Linux): run memory on Linux or on CUDA") from None
 
 
-def limit_memory(s):
-    """Make allocations past --mem_limit fail: CUDA by a memory fraction, CPU by capping the
-    address space at what this process maps now plus the limit."""
-    if not s.mem_limit:
-        return
-    if s.dev.type == 'cuda':
-        total = torch.cuda.get_device_properties(s.dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, s.mem_limit * 2**20 / total), s.dev)
-    else:
-        limit = proc_status('VmSize') + s.mem_limit * 2**20
-        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
-
-
 def memory_cell(s):
     """Subprocess body: one forward + backward of a backbone (no lm head); prints peak bytes as JSON.
     --arch=none builds nothing and gives the interpreter + torch baseline."""
     torch.ones(64, 64) @ torch.ones(64, 64)   # start the thread pool, as every cell does
-    limit_memory(s)
+    # allocations past --mem_limit fail: CUDA's by a memory fraction, the CPU's by capping the address space
+    if s.mem_limit and s.dev.type == 'cuda':
+        total = torch.cuda.get_device_properties(s.dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, s.mem_limit * 2**20 / total), s.dev)
+    elif s.mem_limit:
+        limit = proc_status('VmSize') + s.mem_limit * 2**20   # what this process maps now, plus the limit
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
     peak = 0
     try:
         if s.arch != 'none':
@@ -287,7 +276,7 @@ def bench_generate(s):
         if s.compile:  # each model's step is one more graph of decode_step: stay under the recompile limit
             torch._dynamo.reset()
         for batch in s.batch_size:
-            prompt = random_tokens(cfg, batch, s.prompt, gen).to(s.dev)
+            prompt = torch.randint(cfg.vocab_size, (batch, s.prompt), generator=gen).to(s.dev)
             for method in methods if batch == s.batch_size[0] else [m for m in methods if m == 'cache']:
                 t0 = time.perf_counter()
                 time_decoding(model, prompt, 2, method, s)  # warm-up (with --compile: the compile)
@@ -389,12 +378,6 @@ def invert(O, e, steps, lr, gen):
         return e_n.detach(), l1_per_sequence(O(e_n), target)
 
 
-def tokens_from_embeddings(e, w_pinv):
-    """Paper eq. 3: a_N = W^+ e_N, W the (d, vocab) embedding map (the transposed nn.Embedding
-    table, so W^+ = pinv(table)^T); the argmax over vocab of a_N is each position's token."""
-    return (e @ w_pinv).argmax(-1)  # (B, T, d) @ (d, vocab) -> (B, T)
-
-
 def hamming(x, y, pad_id=None):
     """Paper eq. 6: fraction of the input's non-pad positions where the recovered token differs."""
     real = torch.ones_like(x, dtype=torch.bool) if pad_id is None else x != pad_id
@@ -407,6 +390,7 @@ def represent_rows(model, idx, layers, steps, lr, pad_id=None, seed=0):
     and the paper's epsilon: the L1 shift that N(0, 1/20) noise on e causes (converged: loss <= eps)."""
     model = model.float().eval().requires_grad_(False)
     wte = embedding_backbone(model).wte.weight
+    # eq. 3: a_N = W^+ e_N with W the (d, vocab) embedding map, the transposed table: W^+ = pinv(table)^T
     e, w_pinv = wte[idx], torch.linalg.pinv(wte)                     # (B, T, d), (d, vocab)
     rows = []
     for layer in layers:
@@ -417,7 +401,7 @@ def represent_rows(model, idx, layers, steps, lr, pad_id=None, seed=0):
             with torch.no_grad():
                 eps = l1_per_sequence(O(e + torch.randn(e.shape, generator=gen).to(e.device) / 20), O(e))
             rows.append(dict(mode='represent', arch=model.cfg.arch, layer=layer, positions=which,
-                             hamming=hamming(idx, tokens_from_embeddings(e_n, w_pinv), pad_id),
+                             hamming=hamming(idx, (e_n @ w_pinv).argmax(-1), pad_id),  # a_N's argmax
                              loss=loss.mean().item(), epsilon=eps.mean().item(),
                              converged=(loss <= eps).float().mean().item()))
     return rows
@@ -426,33 +410,26 @@ def represent_rows(model, idx, layers, steps, lr, pad_id=None, seed=0):
 def represent_inputs(cfg, s, gen):
     """(B, n_ctx) token windows: random starts in data_dir's val.bin, or uniform random tokens; pad id."""
     if not s.data_dir:
-        return random_tokens(cfg, s.batch_size, cfg.n_ctx, gen), None
+        return torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx), generator=gen), None
     try:
         meta = load_meta(s.data_dir)
         data = np.memmap(os.path.join(s.data_dir, 'val.bin'), dtype=meta['dtype'], mode='r')
     except (OSError, ValueError) as e:  # the flag named beside load_meta's reason
         raise ValueError(f"--data_dir={s.data_dir} has no readable meta.json/val.bin ({e})") from None
     if len(data) <= cfg.n_ctx or meta['vocab_size'] > cfg.vocab_size:
-        raise ValueError(f"--data_dir={s.data_dir} does not fit the model (needs > n_ctx tokens, vocab <= {cfg.vocab_size})")
+        raise ValueError(f"--data_dir={s.data_dir} does not fit the model (needs > n_ctx tokens, "
+                         f"vocab <= {cfg.vocab_size})")
     starts = torch.randint(len(data) - cfg.n_ctx, (s.batch_size,), generator=gen).tolist()
     idx = torch.from_numpy(np.stack([data[i:i + cfg.n_ctx].astype(np.int64) for i in starts]))
     return idx, meta.get('pad_id')
 
 
-def probed_models(s):
-    """The checkpoint's model, or an untrained one per grid cell (built as they are needed)."""
-    if s.ckpt:
-        yield model_from_checkpoint(load_checkpoint(s.ckpt))
-        return
-    for cfg in grid(s):
-        torch.manual_seed(s.seed)
-        yield build_model(cfg)
-
-
 def bench_represent(s):
     layers = int_list(s.layer, 'layer') if s.layer else None
     rows, gen = [], torch.Generator().manual_seed(s.seed)
-    for model in probed_models(s):
+    for cfg in [None] if s.ckpt else grid(s):  # the checkpoint's model, or an untrained one per grid cell
+        torch.manual_seed(s.seed)
+        model = model_from_checkpoint(load_checkpoint(s.ckpt)) if s.ckpt else build_model(cfg)
         idx, pad_id = represent_inputs(model.cfg, s, gen)
         model, idx = model.to(s.dev), idx.to(s.dev)
         new = represent_rows(model, idx, layers or [model.cfg.n_layers], s.steps, s.lr, pad_id, s.seed)
@@ -466,11 +443,9 @@ def bench_represent(s):
 # ----------------------------------------------------------------------------- tables and plots
 
 def fmt(v):
-    if v is None:
-        return 'OOM'
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
-    return str(v)
+    return 'OOM' if v is None else str(v)
 
 
 def markdown(rows, cols):
@@ -494,32 +469,31 @@ def memory_tables(rows):
 
 
 def ratios(rows):
-    """The mixer-vs-transformer comparisons the README quotes, one line each: a's key over b's, at
-    each n_layers, n_ctx and batch size both were measured at."""
+    """The mixer-vs-transformer comparisons the README quotes, one line each: the key of rows matching a
+    over that of rows differing from them by b, at each n_layers, n_ctx and batch size both were run at."""
     lines = []
 
     def pick(**want):
         return [r for r in rows if all(r.get(k) == v for k, v in want.items())]
 
-    def compare(what, a, b, key):
+    def compare(what, key, a, **b):
         for r in pick(**a):
-            for o in pick(**b, n_ctx=r['n_ctx'], n_layers=r['n_layers'], batch_size=r['batch_size']):
+            for o in pick(**dict(a, **b), n_ctx=r['n_ctx'], n_layers=r['n_layers'], batch_size=r['batch_size']):
                 if r[key] and o[key]:
                     batch = f" batch={r['batch_size']}" if r['mode'] == 'generate' else ''
                     lines.append(f"{what} at n_layers={r['n_layers']} n_ctx={r['n_ctx']}{batch}: "
                                  f"{r[key] / o[key]:.2f}x")
 
     for other in ('llama', 'gpt'):
-        compare(f"throughput mixer/{other}", dict(mode='throughput', arch='mixer'),
-                dict(mode='throughput', arch=other), 'tokens_per_s')
-    compare("memory llama/mixer", dict(mode='memory', arch='llama'), dict(mode='memory', arch='mixer'), 'mb')
+        compare(f"throughput mixer/{other}", 'tokens_per_s', dict(mode='throughput', arch='mixer'), arch=other)
+    compare("memory llama/mixer", 'mb', dict(mode='memory', arch='llama'), arch='mixer')
     for arch in dict.fromkeys(r['arch'] for r in rows):
-        compare(f"retrieval {arch} step time full/trimmed", dict(mode='retrieval', arch=arch, padding='full'),
-                dict(mode='retrieval', arch=arch, padding='trimmed'), 'ms_per_step')
-        compare(f"generate {arch} cache/window", dict(mode='generate', arch=arch, method='cache'),
-                dict(mode='generate', arch=arch, method='window'), 'tokens_per_s')
-    compare("generate mixer cache / llama KV cache", dict(mode='generate', arch='mixer', method='cache'),
-            dict(mode='generate', arch='llama', method='cache'), 'tokens_per_s')
+        compare(f"retrieval {arch} step time full/trimmed", 'ms_per_step',
+                dict(mode='retrieval', arch=arch, padding='full'), padding='trimmed')
+        compare(f"generate {arch} cache/window", 'tokens_per_s',
+                dict(mode='generate', arch=arch, method='cache'), method='window')
+    compare("generate mixer cache / llama KV cache", 'tokens_per_s',
+            dict(mode='generate', arch='mixer', method='cache'), arch='llama')
     return '\n'.join(lines)
 
 
@@ -530,10 +504,6 @@ COLUMNS = {  # the markdown table each mode prints (and README shows); memory is
     'retrieval': 'arch n_ctx d_model n_layers batch_size dtype padding real_tokens ms_per_step',
     'represent': 'arch d_model n_layers n_ctx layer positions hamming loss epsilon converged',
 }
-
-
-def report(mode, rows):
-    return memory_tables(rows) if mode == 'memory' else markdown(rows, COLUMNS[mode].split())
 
 
 def pyplot():
@@ -595,7 +565,8 @@ def run(argv):
     for mode, s in [(mode, settings(argv, mode)) for mode in modes]:  # every mode's settings checked first
         print(f"## {mode}", flush=True)
         new = MEASURE[mode](s)
-        print('\n' + report(mode, new) + '\n', flush=True)
+        table = memory_tables(new) if mode == 'memory' else markdown(new, COLUMNS[mode].split())
+        print(f"\n{table}\n", flush=True)
         rows += new
     summary = ratios(rows)
     if summary:

@@ -17,17 +17,15 @@ Subcommands (python retrieve.py COMMAND --help lists a command's keys and their 
 
 n counts as Table 1's caption does: one query, its matching target and n-2 non-matching targets,
 so n-1 candidates (chance 1/(n-1)); indirect's c and train's paper negatives count the same way.
-A text is embedded by TextEncoder: bos first, its first n_ctx tokens, left-padded (§6.1), the last
-hidden state at --embed_pos (-1: the last real token; 0: the checkpoint's own), L2-normalised so a
-dot product is eq. 9's cosine. Embedding runs without gradients, in batches, under autocast to
---dtype (auto: as train.py decides); similarities are float32.
+A text's embedding (TextEncoder): bos, its first n_ctx tokens left-padded (§6.1), the last hidden
+state at --embed_pos (-1: the last real token; 0: the checkpoint's own), L2-normalised so a dot
+product is eq. 9's cosine; computed in batches under autocast to --dtype, similarities in float32.
 
-train and indirect run train.py's fit, so they take its loop keys (--lr, --batch_size, --grad_accum,
---max_iters, --max_time, --dtype, --device, --compile, ...) and get its DDP (torchrun --standalone
---nproc_per_node=4 retrieve.py train ...), AMP, time budgets, atomic checkpoints, log.jsonl and exact
-resume (--init_from=resume). In train, batch_size counts queries: a micro-batch embeds 2 x batch_size
-sequences with in-batch negatives, or 32 x batch_size with the paper's 30 sampled negatives (its
-setting: --batch_size=1 --grad_accum=4).
+train and indirect run train.py's fit: its loop keys (--lr, --batch_size, --grad_accum, --max_iters,
+--max_time, --dtype, --device, --compile, ...), DDP (torchrun --standalone --nproc_per_node=4
+retrieve.py train ...), AMP, budgets, atomic checkpoints, log.jsonl, exact resume (--init_from=resume).
+train's batch_size counts queries: a micro-batch embeds 2 x batch_size sequences (in-batch negatives)
+or 32 x batch_size (the paper's 30 sampled negatives; its setting: --batch_size=1 --grad_accum=4).
 """
 import hashlib, io, json, math, os, sys, time
 
@@ -166,12 +164,11 @@ def length_groups(lengths, overhead):
 class TextEncoder(nn.Module):
     """A language model as a text encoder: (B, n_ctx) left-padded tokens -> (B, d_model) unit rows, the
     last hidden state at window position embed_pos. Left padding puts every text's last token at -1,
-    a position a masked mixer (a weight per position) was trained on; transformers also get the mask.
-    The paper read -2, as its models shifted the targets inside and never trained the last position;
-    train.py shifts in its loader, so -1 is trained. trim: rows grouped by length, each group run on
-    its own real columns (model.hidden's keep: a causal mixer's all-pad states computed once and
-    shared, llama's pad columns dropped), the full window's embeddings for less compute. Its
-    state_dict is the model's, so a retrieval checkpoint is an ordinary model checkpoint."""
+    a position a masked mixer (a weight per position) was trained on (the paper read -2: its models
+    shifted targets inside and never trained the last; train.py shifts in its loader). trim: rows
+    grouped by length, each group run on its own real columns (model.hidden's keep), the full
+    window's embeddings for less compute. state_dict is the model's: a retrieval checkpoint is a
+    model checkpoint."""
 
     def __init__(self, model, embed_pos=-1, trim=True):
         super().__init__()
@@ -217,7 +214,11 @@ class Embedder:
     def __init__(self, ckpt_path, device='auto', dtype='auto', batch_size=32, embed_pos=0):
         ckpt = train.load_checkpoint(ckpt_path)
         self.encoder = text_encoder(ckpt, ckpt_path, embed_pos)
-        self.path, self.fingerprint = os.path.abspath(ckpt_path), weights_fingerprint(ckpt['model'])
+        h, weights = hashlib.sha256(), ckpt['model']     # a hash of the weights: an index knows who embedded it
+        for name in sorted(weights):
+            h.update(name.encode())
+            h.update(weights[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        self.path, self.fingerprint = os.path.abspath(ckpt_path), h.hexdigest()[:16]
         self.device = train.resolve_device(str(device))
         self.dtype, _ = train.choose_dtype(self.device, dtype)
         self.batch_size = batch_size
@@ -237,15 +238,6 @@ class Embedder:
 
     def __call__(self, texts):  # list of str -> (N, d_model) float32, unit rows; bos first, as in pretraining
         return self.embed_tokens([self.tok.encode(t, bos=True)[:self.n_ctx] for t in texts])
-
-
-def weights_fingerprint(state_dict):
-    """A short hash of a model's weights: an index remembers which model embedded it."""
-    h = hashlib.sha256()
-    for name in sorted(state_dict):
-        h.update(name.encode())
-        h.update(state_dict[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------- candidates and losses
@@ -315,15 +307,6 @@ class PairBatches:
         return idx, mask, labels
 
 
-def freeze_unused(encoder, n_ctx):
-    """Freeze what embeddings do not depend on (lm head, an autoencoder's decoder): AdamW and DDP
-    then skip those weights, and DDP does not wait for gradients that never come."""
-    encoder(torch.zeros(1, n_ctx, dtype=torch.long), torch.ones(1, n_ctx, dtype=torch.bool)).sum().backward()
-    for p in encoder.parameters():
-        p.requires_grad_(p.grad is not None)
-        p.grad = None
-
-
 def cmd_train(cfg):
     """InfoNCE fine-tuning (paper §6.3) through train.py's loop: DDP, AMP, budgets, exact resume."""
     if cfg['symmetric'] and cfg['negatives'] != 'inbatch':
@@ -332,7 +315,8 @@ def cmd_train(cfg):
     if cfg['init_from'] == 'resume':
         resume = src = train.load_checkpoint(os.path.join(cfg['out_dir'], 'ckpt.pt'))
         if src['kind'] != 'retrieval':
-            raise ValueError(f"{cfg['out_dir']}/ckpt.pt is a {src['kind']!r} checkpoint, not one of retrieve.py train's")
+            raise ValueError(f"{cfg['out_dir']}/ckpt.pt is a {src['kind']!r} checkpoint, "
+                             f"not one of retrieve.py train's")
         init_from = src['init_from']
     else:
         src, init_from = train.load_checkpoint(cfg['init_from']), os.path.abspath(cfg['init_from'])
@@ -342,7 +326,11 @@ def cmd_train(cfg):
     get_batch = PairBatches(cfg, Tokenizer.from_meta(src['data']['meta'], src['data']['data_dir']), n_ctx)
     rt = train.setup_runtime(cfg)
     try:
-        freeze_unused(encoder, n_ctx)
+        # freeze what embeddings do not use (lm head, a decoder): AdamW and DDP skip it, DDP waits for no gradient
+        encoder(torch.zeros(1, n_ctx, dtype=torch.long), torch.ones(1, n_ctx, dtype=torch.bool)).sum().backward()
+        for p in encoder.parameters():
+            p.requires_grad_(p.grad is not None)
+            p.grad = None
         if rt.master:
             print(f"InfoNCE ({cfg['negatives']} negatives, tau {TAU}) from {init_from}: "
                   f"{sum(p.numel() for p in encoder.parameters() if p.requires_grad) / 1e6:.2f}M trainable "
@@ -352,9 +340,9 @@ def cmd_train(cfg):
             idx, mask, labels = batch
             e = model(idx, mask)                                   # (M, d_model): queries, then targets
             q, t = e[:len(labels)], e[len(labels):]
-            if cfg['negatives'] == 'inbatch':
-                return info_nce(q, t, labels, symmetric=cfg['symmetric'])
-            return info_nce(q, t.view(len(labels), -1, t.shape[-1]), labels)
+            if cfg['negatives'] == 'paper':                        # symmetric is False here
+                t = t.view(len(labels), -1, t.shape[-1])           # (B, 31, d_model): each query's group
+            return info_nce(q, t, labels, symmetric=cfg['symmetric'])
 
         extra = {'kind': 'retrieval', 'model_config': src['model_config'], 'data': src['data'],
                  'embed_pos': embed_pos, 'init_from': init_from, 'pairs_dir': os.path.abspath(cfg['data_dir'])}
@@ -399,8 +387,7 @@ def retrieval_metrics(q, t, ns=DEFAULT_NS, seed=0, chunk=512):
 
 
 def capped(ns, key, n_pairs):
-    """--n or --c values (Table 1's counts: the query, its target and n-2 others), each capped at
-    n_pairs + 1, the query and every target (a note says so)."""
+    """--n or --c values (Table 1's counts), each capped at n_pairs + 1: the query and every target."""
     top = n_pairs + 1
     if max(ns) > top:
         print(f"note: only {n_pairs} pairs, so {key} is capped at {top} (the query and every target; "
@@ -504,8 +491,9 @@ def cmd_indirect(cfg):
                 return rows[mine], x[mine], labels[mine]      # rows (B, c) count as the step's "tokens"
 
             torch.manual_seed(cfg['seed'])
-            model = RetrievalMixer(embedder.d_model, cfg['n_layers'], c)
-            extra = {'kind': 'indirect', 'retrieval_mixer': dict(d_model=embedder.d_model, n_layers=cfg['n_layers'], c=c),
+            mixer = dict(d_model=embedder.d_model, n_layers=cfg['n_layers'], c=c)
+            model = RetrievalMixer(**mixer)
+            extra = {'kind': 'indirect', 'retrieval_mixer': mixer,
                      'embedder': dict(ckpt=embedder.path, fingerprint=embedder.fingerprint,
                                       embed_pos=embedder.encoder.embed_pos), 'data': embedder.data}
             stats = train.fit(dict(cfg, out_dir=os.path.join(cfg['out_dir'], f'c{c}')), rt, model, get_batch,
@@ -563,7 +551,8 @@ def read_text(path):
 def cmd_index(cfg):
     index, manifest = cfg['index'], os.path.join(cfg['index'], 'manifest.json')
     if os.path.isfile(manifest) and not cfg['overwrite']:
-        raise ValueError(f"--index={index} already holds an index: replace it with --overwrite, or pass a new --index folder")
+        raise ValueError(f"--index={index} already holds an index: replace it with --overwrite, "
+                         f"or pass a new --index folder")
     if os.path.isdir(index) and os.listdir(index) and not os.path.isfile(manifest):
         raise ValueError(f"--index={index} is a folder of other files, not an index: pass a new or empty folder")
     check_out_dir(index, flag='index')
@@ -600,27 +589,21 @@ def cmd_index(cfg):
     return 0
 
 
-def load_index(index_dir):
-    """(manifest, embeddings (N, d) float32, chunk records) of an index made by `index`."""
-    path = os.path.join(index_dir, 'manifest.json')
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no index at {index_dir}: build one with python retrieve.py index "
-                                f"--ckpt=CKPT --docs=PATH --index={index_dir}")
-    manifest = json.loads(read_text_file(path, 'index manifest'))
-    emb = np.load(os.path.join(index_dir, manifest['embeddings']))
-    chunks = [row for _, row in read_jsonl(os.path.join(index_dir, manifest['chunks']))]
-    if not len(emb) == len(chunks) == manifest['n_chunks']:
-        raise ValueError(f"index {index_dir} is incomplete (embeddings and chunks disagree): rebuild it")
-    return manifest, torch.from_numpy(emb), chunks
-
-
 def cmd_search(cfg):
     if not cfg['query'].strip():
         raise ValueError("empty query: pass the text to look for, e.g. --query=\"open a file\"")
-    manifest, emb, chunks = load_index(cfg['index'])
+    index, path = cfg['index'], os.path.join(cfg['index'], 'manifest.json')
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no index at {index}: build one with python retrieve.py index "
+                                f"--ckpt=CKPT --docs=PATH --index={index}")
+    manifest = json.loads(read_text_file(path, 'index manifest'))
+    emb = torch.from_numpy(np.load(os.path.join(index, manifest['embeddings'])))    # (N, d) float32
+    chunks = [row for _, row in read_jsonl(os.path.join(index, manifest['chunks']))]
+    if not len(emb) == len(chunks) == manifest['n_chunks']:
+        raise ValueError(f"index {index} is incomplete (embeddings and chunks disagree): rebuild it")
     embedder = Embedder(cfg['ckpt'] or manifest['ckpt'], cfg['device'], cfg['dtype'], embed_pos=manifest['embed_pos'])
     if embedder.fingerprint != manifest['fingerprint']:
-        raise ValueError(f"index {cfg['index']} was built with other weights ({manifest['ckpt']}, fingerprint "
+        raise ValueError(f"index {index} was built with other weights ({manifest['ckpt']}, fingerprint "
                          f"{manifest['fingerprint']}) than {embedder.path} ({embedder.fingerprint}): rebuild it "
                          f"with python retrieve.py index --ckpt={embedder.path} ...")
     top = (emb @ embedder([cfg['query']])[0]).topk(min(cfg['k'], len(chunks)))   # the best cosines
@@ -661,7 +644,8 @@ def run(argv):
 
 
 def main(argv=None):
-    return run_main(lambda: run(argv), "interrupted: finished outputs are whole (train: continue with --init_from=resume)")
+    return run_main(lambda: run(argv),
+                    "interrupted: finished outputs are whole (train: continue with --init_from=resume)")
 
 
 if __name__ == '__main__':
