@@ -1767,6 +1767,7 @@ TRAIN = ['--data_dir={data}', '--out_dir={tmp}/out', *TINY]
 SAMPLE = ['--out_dir={trained}']
 EVAL = ['eval', '--ckpt={mixer}', '--pairs={pairs}/pairs_val.jsonl']
 OUT = '--out_dir={tmp}/out'
+RESUME = ['--data_dir={data}', '--out_dir={trained}', *TINY, '--init_from=resume']
 
 # (script, argv, culprit). Placeholders: {tmp} (the files of scratch() below), {data} (train's data),
 # {trained} (a finished run), {mixer} and {ae} (retrieve's checkpoints), {pairs} (retrieve's data)
@@ -1776,53 +1777,43 @@ REFUSALS = [
     *[('train', [*TRAIN, f'--{k}={v}'], k) for k, v in [
         ('max_iters', -1), ('eval_interval', 0), ('log_interval', 0), ('grad_accum', 0), ('eval_iters', 0),
         ('batch_size', 0), ('lr', 'nan'), ('min_lr', 1), ('n_ctx', 1), ('seed', -1)]],
-    ('train', [*TRAIN, '--device=gpu0'], 'gpu0'),
-    ('train', [*TRAIN, '--dtype=float16', '--device=cpu'], 'float16'),
+    ('train', [*TRAIN, '--device=gpu0'], 'gpu0'), ('train', [*TRAIN, '--dtype=float16', '--device=cpu'], 'float16'),
     *[('sample', [*SAMPLE, f'--{k}={v}'], k) for k, v in [
         ('temperature', -1), ('temperature', 'nan'), ('temperature', 1e-45), ('top_k', 0), ('top_p', 0),
         ('top_p', 1.5), ('num_samples', 0)]],
     *[('sample', [*SAMPLE, arg], arg.split('=')[1]) for arg in ['--method=beam', '--dtype=int8', '--device=tpu9']],
-    ('sample', [*SAMPLE, '--bogus=1'], 'bogus'),
-    ('prepare', ['wikipedia', OUT], 'wikipedia'),
-    ('prepare', ['pystdlib', '--max_docs=zero', OUT], 'max_docs'),
-    ('prepare', ['pystdlib', '--bogus=1', OUT], 'bogus'),
+    ('sample', [*SAMPLE, '--bogus=1'], 'bogus'), ('prepare', ['wikipedia', OUT], 'wikipedia'),
+    ('prepare', ['pystdlib', '--max_docs=zero', OUT], 'max_docs'), ('prepare', ['pystdlib', '--bogus=1', OUT], 'bogus'),
     ('prepare', ['pystdlib', '--tokenizer=p50k_nope', OUT], 'p50k_nope'),
     ('prepare', ['tinystories', '--pairs=docstring', OUT], 'docstring'),
     ('prepare', ['text', '--input={tmp}/latin1.txt', '--vocab_size=1', OUT], 'vocab_size'),
     ('prepare', ['text', '--input={tmp}/ascii.txt', '--vocab_size=262', OUT], 'vocab_size'),  # < its 94 characters
-    ('retrieve', ['frobnicate'], 'frobnicate'),
-    ('retrieve', [*EVAL, '--n=1x'], '1x'),
+    ('retrieve', ['frobnicate'], 'frobnicate'), ('retrieve', [*EVAL, '--n=1x'], '1x'),
     ('retrieve', [*EVAL, '--n=2,32'], '2,32'),
     ('retrieve', ['eval', '--ckpt={tmp}/x.pt', '--pairs={tmp}/y.jsonl', '--batch_size=0'], 'batch_size'),
     ('retrieve', ['indirect', '--ckpt={mixer}', '--data_dir={pairs}', '--c=2'], 'c='),
     ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--negatives=hard'], 'hard'),
     ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--batch_sise=4'], 'batch_sise'),
     ('retrieve', ['train', '--init_from={tmp}/x.pt', '--warmup_iters=-2'], 'warmup_iters'),
-    ('bench', ['sideways'], 'sideways'),
-    ('bench', ['throughput', '--n_ctx=abc'], 'n_ctx'),
+    ('bench', ['sideways'], 'sideways'), ('bench', ['throughput', '--n_ctx=abc'], 'n_ctx'),
     ('bench', ['throughput', '--batch_size=1,16'], 'batch_size'),                # a list only in generate
-    ('bench', ['throughput', '--archs=rnn'], 'rnn'),
-    ('bench', ['throughput', *BENCH_TINY, '--repeats=0'], 'repeats'),
+    ('bench', ['throughput', '--archs=rnn'], 'rnn'), ('bench', ['throughput', *BENCH_TINY, '--repeats=0'], 'repeats'),
     ('bench', ['generate', *BENCH_TINY, '--new_tokens=0'], 'new_tokens'),
     ('bench', ['generate', *BENCH_TINY, '--prompt=2', '--new_tokens=2', '--methods=beam'], 'beam'),
     ('bench', ['generate', *BENCH_TINY, '--prompt=12', '--new_tokens=8'], 'n_ctx'),
     ('bench', ['represent', *BENCH_TINY, '--layer=last'], 'layer'),
     ('bench', ['represent', '--ckpt={trained}/ckpt.pt', '--layer=3'], 'layer'),
     # a required flag missing, or two that exclude each other
-    ('prepare', ['text', OUT], 'input'),
-    ('retrieve', [*EVAL[:2]], 'pairs'),
+    ('prepare', ['text', OUT], 'input'), ('retrieve', [*EVAL[:2]], 'pairs'),
     ('retrieve', ['eval', '--pairs={pairs}/pairs_val.jsonl'], 'ckpt'),
-    ('retrieve', ['train', '--data_dir={pairs}'], 'init_from'),
-    ('sample', [*SAMPLE, '--ckpt={trained}/ckpt.pt'], 'ckpt'),
+    ('retrieve', ['train', '--data_dir={pairs}'], 'init_from'), ('sample', [*SAMPLE, '--ckpt={trained}/ckpt.pt'], 'ckpt'),
     # input files: missing, empty, unreadable, or not what they should be
     ('train', ['--data_dir={tmp}/nope', OUT], '{tmp}/nope'),
     ('train', ['--data_dir={data}', '--out_dir={tmp}/none', '--init_from=resume'], '{tmp}/none'),
     ('train', ['{tmp}/notpreset.py'], 'notpreset.py'),                   # a preset holds assignments only
     ('train', ['--out_dir={trained}', '{tmp}/latin1.txt'], 'latin1.txt'),
-    ('sample', ['--out_dir={tmp}/none'], '{tmp}/none'),
-    ('sample', ['--ckpt={tmp}/truncated.pt'], 'truncated.pt'),
-    ('sample', ['--ckpt={tmp}/retrieval.pt'], 'retrieval'),
-    ('sample', ['--ckpt={ae}'], 'autoencoder'),
+    ('sample', ['--out_dir={tmp}/none'], '{tmp}/none'), ('sample', ['--ckpt={tmp}/cut/ckpt.pt'], '{tmp}/cut/ckpt.pt'),
+    ('sample', ['--ckpt={tmp}/retrieval.pt'], 'retrieval'), ('sample', ['--ckpt={ae}'], 'autoencoder'),
     ('sample', ['--ckpt={tmp}/n1.pt'], 'n_ctx=1'),
     ('sample', [*SAMPLE, '--prompt=FILE:/nonexistent/p.txt'], '/nonexistent/p.txt'),
     ('sample', [*SAMPLE, '--prompt=FILE:{tmp}/latin1.txt'], 'latin1.txt'),
@@ -1840,6 +1831,14 @@ REFUSALS = [
     ('bench', ['retrieval', '--data_dir=/nonexistent'], '/nonexistent'),
     ('bench', ['represent', '--ckpt={tmp}/nope.pt'], 'nope.pt'),
     ('bench', ['represent', '--ckpt={trained}/ckpt.pt', '--data_dir={tmp}'], 'val.bin'),
+    # a resume that cannot continue: another architecture or n_ctx, a truncated checkpoint
+    *[('train', [*RESUME, arg], arg[2:].split('=')[0]) for arg in ['--arch=llama', '--n_ctx=16']],
+    ('train', ['--data_dir={data}', '--out_dir={tmp}/cut', *TINY, '--init_from=resume'], 'ckpt.pt'),
+    # a finished run, replaced only when asked: the refusal names the flag that continues or replaces it
+    ('train', ['--data_dir={data}', '--out_dir={trained}', *TINY], '--init_from=resume'),
+    ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--out_dir={tmp}/run'], '--overwrite'),
+    ('retrieve', ['indirect', '--ckpt={mixer}', '--data_dir={pairs}', '--out_dir={tmp}/run', '--c=4'], '--overwrite'),
+    ('retrieve', ['index', '--ckpt={mixer}', '--docs={pairs}/pairs_val.jsonl', '--index={tmp}/run'], '--overwrite'),
     # output locations, checked before the work that fills them ({tmp}/file is a file)
     ('train', ['--data_dir={data}', '--out_dir={tmp}/file/out', *TINY], '{tmp}/file'),
     ('prepare', ['pystdlib', '--out_dir={tmp}/file'], '{tmp}/file'),
@@ -1856,12 +1855,16 @@ def scratch(tmp_path, data_dir):
                           ('latin1.txt', 'déjà vu, naïve café\n'.encode('latin-1')),
                           ('latin1.jsonl', '{"query": "café", "target": "naïve"}\n'.encode('latin-1') * 3),
                           ('ascii.txt', bytes(range(33, 127)) * 20),
-                          ('bad.jsonl', b'{"query": "a", "target": "b"}\n' * 2 + b'{"query": oops}\n')]:
+                          ('bad.jsonl', b'{"query": "a", "target": "b"}\n' * 2 + b'{"query": oops}\n'),
+                          ('run/ckpt.pt', b'a long run'), ('run/log.jsonl', b'{"step": 1}\n'),
+                          ('run/manifest.json', b'{}'), ('run/c4/ckpt.pt', b'a long run')]:
+        (tmp_path / name).parent.mkdir(exist_ok=True, parents=True)
         (tmp_path / name).write_bytes(content)
     (tmp_path / 'empty').mkdir()
     buf = io.BytesIO()
     torch.save({'model': {'w': torch.zeros(1000)}}, buf)
-    (tmp_path / 'truncated.pt').write_bytes(buf.getvalue()[:1000])     # as a kill -9 during a save leaves it
+    (tmp_path / 'cut').mkdir()
+    (tmp_path / 'cut/ckpt.pt').write_bytes(buf.getvalue()[:1000])     # as a kill -9 during a save leaves it
     for kind in ('indirect', 'retrieval'):
         train.save_checkpoint({'kind': kind, 'model': {}}, str(tmp_path / f'{kind}.pt'))
     make_ckpt(tmp_path / 'n1.pt', data_dir, n_ctx=1)
@@ -1893,38 +1896,9 @@ def test_help(script, words, capsys):
     assert code == 0 and all(w in out for w in words), out
 
 
-def test_resume_refuses_what_it_cannot_continue(data, tmp_path, capsys, monkeypatch):
-    """A resume with another architecture or n_ctx, or from a truncated checkpoint, is refused and the
-    checkpoint left as it is; so is a batch that 2 processes cannot share (checked before any process group)."""
-    out = tmp_path / 'o'
-    assert train_run(data, out, '--max_iters=5', '--eval_interval=5') == 0
-    resume = [f'--data_dir={data}', f'--out_dir={out}', *TINY, '--init_from=resume']
-    refused(capsys, 'train', [*resume, '--arch=llama'], 'arch', keep=[out])
-    refused(capsys, 'train', [*resume, '--n_ctx=16'], 'n_ctx', keep=[out])
-    (out / 'ckpt.pt').write_bytes((out / 'ckpt.pt').read_bytes()[:1000])
-    refused(capsys, 'train', [*resume, '--max_iters=10'], 'ckpt.pt', keep=[out])
+def test_a_batch_two_processes_cannot_share_is_refused_before_any_process_group(data, capsys, monkeypatch):
     monkeypatch.setenv('WORLD_SIZE', '2')
     refused(capsys, 'train', [f'--data_dir={data}', '--batch_size=3'], 'batch_size')
-
-
-@pytest.mark.parametrize('case', ['train', 'retrieve train', 'retrieve indirect', 'retrieve index'])
-def test_a_finished_run_is_never_replaced_unasked(case, data, trained, corpus, capsys, tmp_path):
-    """The refusal names the flag that continues (--init_from=resume) or replaces (--overwrite) the run."""
-    _, pairs, mixer, _ = corpus
-    run = tmp_path / ('c4' if case == 'retrieve indirect' else 'run')  # indirect writes out_dir/c{c}
-    run.mkdir()
-    (run / 'ckpt.pt').write_bytes(b'a long run')
-    (run / 'log.jsonl').write_text('{"step": 1}\n')
-    (run / 'manifest.json').write_text('{}')
-    argv, culprit = {
-        'train': ([f'--data_dir={data}', f'--out_dir={trained}', *TINY], '--init_from=resume'),
-        'retrieve train': (['train', f'--init_from={mixer}', f'--data_dir={pairs}', f'--out_dir={run}'], '--overwrite'),
-        'retrieve indirect': (['indirect', f'--ckpt={mixer}', f'--data_dir={pairs}', f'--out_dir={tmp_path}', '--c=4'],
-                              '--overwrite'),
-        'retrieve index': (['index', f'--ckpt={mixer}', f'--docs={pairs}/pairs_val.jsonl', f'--index={run}'],
-                           '--overwrite'),
-    }[case]
-    refused(capsys, case.split()[0], argv, culprit, keep=[trained if case == 'train' else run])
 
 
 def test_overwrite_starts_the_run_afresh(data, tmp_path, capsys):
