@@ -164,13 +164,17 @@ def test_objective_targets():
     assert M.objective_targets('half', x, y, mask).tolist() == [[-1, -1, -1, -1, 4, 5, -1, -1]]
 
 
-@pytest.mark.parametrize('variant', [dict(), dict(kernel=3), dict(n_heads=2), dict(softmax=True),
-                                     dict(expansion=2.0), dict(expansion=0.5), dict(n_convs=2)], ids=name)
+@pytest.mark.parametrize('variant', [dict(), dict(kernel=3), dict(n_heads=2, kernel=3), dict(softmax=True),
+                                     dict(expansion=2.0), dict(expansion=0.5), dict(n_convs=3), dict(arch='hybrid'),
+                                     dict(arch='gmlp')], ids=name)
 def test_masked_weights_get_exactly_zero_gradient(variant):
-    """Above the diagonal a mixing weight gets no gradient; every allowed entry that is read gets one."""
+    """Above the diagonal a mixing weight gets no gradient; every allowed entry that is read gets one.
+    param_counts' mixing_effective (no masked entries, no never-read hidden rows) counts just those."""
     model = make(tiny(**variant))
+    counts = M.param_counts(model)
     model(torch.randint(0, V, (2, N)), torch.randint(0, V, (2, N)))[1].backward()
-    for mix in (m for m in model.modules() if isinstance(m, M.Mixing)):
+    mixings = [m for m in model.modules() if isinstance(m, M.Mixing)]
+    for mix in mixings:
         keep = M.allowed_positions('causal', mix.n_out, mix.n_in, 0, 'cpu')
         g = mix.weight.grad                                   # (P, H, k, n_out, n_in)
         assert torch.count_nonzero(g * ~keep) == 0
@@ -178,11 +182,16 @@ def test_masked_weights_get_exactly_zero_gradient(variant):
         used[N:] = False          # e > 1: hidden rows past n_ctx are never read, so they get no gradient
         used[0] &= not mix.softmax  # a softmax over one allowed entry is the constant 1
         assert torch.count_nonzero(g * used) == used.sum() * g.shape[0] * g.shape[1] * g.shape[2]
+    params = {id(p): p for m in model.modules() if isinstance(m, (M.TokenMixing, M.Mixing, M.Attention))
+              for p in m.parameters()}
+    assert sum(p.numel() for p in params.values()) == counts['mixing']
+    constant = sum(m.weight[..., 0, 0].numel() for m in mixings if m.softmax)
+    assert sum(int(torch.count_nonzero(p.grad)) for p in params.values()) == counts['mixing_effective'] - constant
+    assert variant or counts['mixing_effective'] == 2 * (N * (N + 1) // 2 + N)   # a tril and its bias per layer
 
 
 def test_expanded_mixer_below_one_loses_tokens():
-    """Paper fig S3: with e < 1 the hidden has e*n rows, so tokens at positions >= e*n never reach
-    another position (only their own, through the residual)."""
+    """Paper fig S3: with e < 1 tokens at positions >= e*n reach no other position (their own by the residual)."""
     model = make(tiny(expansion=0.5, n_layers=1))
     grad = embedding_grad(model, torch.randint(0, V, (2, N)), None, lambda lg: lg[:, N - 1].pow(2).sum())
     assert torch.count_nonzero(grad[:, N // 2:N - 1]) == 0 and torch.count_nonzero(grad[:, :N // 2]) > 0
@@ -241,10 +250,8 @@ def decode(model, idx, steps, method, **kw):
 
 @pytest.mark.parametrize('variant', VARIANTS, ids=name)
 def test_window_equals_cache_equals_full_forward(variant):
-    """Three computations of the same logits: the paper's window (the whole window re-run each step),
-    the cache (one position per step) and the parallel training forward. Window and cache give the
-    same greedy tokens for 2.5 windows (both slide alike); within the first window each cached step's
-    logits are the full forward's."""
+    """The paper's window (re-run whole each step), the cache (one position a step) and the training
+    forward: the same greedy tokens for 2.5 windows (both slide alike), the same logits in the first."""
     model = tiny_model(**variant)
     idx = prompt(5)
     tok_w, logit_w = decode(model, idx, 2 * N_CTX + N_CTX // 2, 'window')
@@ -272,9 +279,8 @@ def test_decode_layout_changes_strides_not_tokens(variant):
 
 @pytest.mark.parametrize('arch', ['mixer', 'llama'])
 def test_compiled_decode_step_traces_once_for_all_positions(arch):
-    """stream(compile=True) wraps decode_step in one dynamic-shape graph that serves every position
-    (a static one would retrace per position) and decodes the same tokens and logits. The 'eager'
-    backend checks the tracing in seconds; inductor's code generation is left to bench.py --compile."""
+    """stream(compile=True): one dynamic-shape graph for every position, the same tokens and logits.
+    The 'eager' backend checks the tracing in seconds; inductor's code is left to bench.py --compile."""
     from torch._dynamo.utils import counters
     model = tiny_model(arch=arch)
     torch._dynamo.reset()
@@ -289,8 +295,7 @@ def test_compiled_decode_step_traces_once_for_all_positions(arch):
 
 
 def test_elita_recurrent_equals_parallel_across_scan_blocks():
-    """ELiTA's O(1)-state recurrence equals its blockwise parallel scan over several blocks,
-    prefilling a prompt that itself spans a block boundary."""
+    """ELiTA's O(1)-state recurrence equals its blockwise scan, from a prompt spanning a block boundary."""
     model = tiny_model(arch='elita', n_ctx=2 * M.ELITA_CHUNK + 22)
     idx = prompt(M.ELITA_CHUNK + 5, batch=1)
     tokens, logits = decode(model, idx, model.cfg.n_ctx - idx.shape[1], 'cache')
@@ -334,9 +339,10 @@ def test_sampling_filters():
 # =============================================================================
 # 3. the models against written-out references; accounting; configuration
 
-def test_parallel_mixings_are_sum_of_gelus_not_one_flat_mixing():
-    """n_convs=p is sum_i GELU(tril(W_i) x + b_i) (the author's parallel convolutions) and one flat
-    mixing is tril(W) x + b with no GELU, so loading the summed weights into n_convs=1 changes the logits."""
+def test_mixings_and_mlps_match_their_formulas():
+    """n_convs=p is sum_i GELU(tril(W_i) x + b_i) (the author's parallel convolutions), not one flat
+    tril(W) x + b; a softmax mixing's rows are distributions over the past; gpt's MLP uses GPT-1's
+    tanh GELU, the mixer's the exact one."""
     par, flat = make(tiny(n_convs=2)), make(tiny())
     flat.load_state_dict({k: v.sum(0, keepdim=True) if k.endswith(('.weight', '.bias')) and 'mix.' in k else v
                           for k, v in par.state_dict().items()})
@@ -347,12 +353,15 @@ def test_parallel_mixings_are_sum_of_gelus_not_one_flat_mixing():
     w, b = mix.weight[:, 0, 0].tril(), mix.bias[:, 0]             # (2, N, N), (2, N, 1)
     assert torch.allclose(mix(x, M.Context(), N)[:, 0], sum(F.gelu(w[i] @ x[:, 0] + b[i]) for i in range(2)))
     assert torch.allclose(one(x, M.Context(), N)[:, 0], one.weight[0, 0, 0].tril() @ x[:, 0] + one.bias[0, 0])
-
-
-def test_softmax_mixing_rows_sum_to_one_over_the_past():
     m = make(tiny(softmax=True)).backbone.blocks[0].layers[0].mix.matrix(0, N, N)[0, 0, 0]  # head 0's (n_out, n_in)
     assert torch.allclose(m.sum(-1), torch.ones(N, dtype=m.dtype))
     assert torch.count_nonzero(m.triu(1)) == 0 and (m.tril() > 0).sum() == N * (N + 1) // 2
+    x = torch.randn(3, D, dtype=torch.float64)
+    for arch, approx in (('gpt', 'tanh'), ('mixer', 'none')):
+        mlp = make(tiny(arch=arch)).backbone.blocks[0].layers[1]
+        assert torch.equal(mlp(x), mlp.out(F.gelu(mlp.fc(x), approximate=approx)))
+    gelu_tanh = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    assert torch.allclose(F.gelu(x, approximate='tanh'), gelu_tanh)
 
 
 def reference_attention(x, attn, mask=None):
@@ -382,15 +391,6 @@ def test_attention_matches_explicit_computation(arch, padding):
     assert torch.allclose(attn(x, M.Context(mask=mask)), reference_attention(x, attn, mask), atol=1e-10)
 
 
-def test_gpt_uses_gpt1_tanh_gelu_and_the_mixer_exact_gelu():
-    x = torch.randn(3, D, dtype=torch.float64)
-    for arch, approx in (('gpt', 'tanh'), ('mixer', 'none')):
-        mlp = make(tiny(arch=arch)).backbone.blocks[0].layers[1]
-        assert torch.equal(mlp(x), mlp.out(F.gelu(mlp.fc(x), approximate=approx)))
-    gelu_tanh = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
-    assert torch.allclose(F.gelu(x, approximate='tanh'), gelu_tanh)
-
-
 @pytest.mark.parametrize('where', ['input', 'every'])
 def test_position_channel_holds_the_centred_position(where):
     """The blog's ablation: the last channel carries t - n_ctx/2 (on the embedding, and with
@@ -407,9 +407,8 @@ def test_position_channel_holds_the_centred_position(where):
 
 
 def test_transformer_autoencoder_decoder_is_position_blind():
-    """The paper's transformer autoencoder feeds the same vector to every decoder position; attention
-    over identical values returns that value whatever RoPE does, so every position decodes the same
-    distribution (why it autoencodes poorly, paper fig 8). The mixer's position-specific weights do not."""
+    """Attention over one vector repeated returns it whatever RoPE does: every position decodes alike
+    (why it autoencodes poorly, paper fig 8). The mixer's position-specific weights do not."""
     idx = torch.randint(0, V, (2, N))
     llama, _ = make(tiny(arch='llama', objective='autoencoder'))(idx)
     assert torch.allclose(llama, llama[:, :1].expand_as(llama), atol=1e-10)
@@ -437,8 +436,7 @@ def test_bidirectional_streams_share_feedforwards_by_default(arch):
 
 
 def test_retrieval_mixer_only_position_dependence_is_its_mixing_weights():
-    """Permuting the targets and the mixing weights' rows/columns alike permutes the logits:
-    the head and feed-forwards are shared across positions, nothing else knows positions."""
+    """Permuting the targets and the mixing weights' rows and columns alike permutes the logits."""
     torch.manual_seed(0)
     net, x = M.RetrievalMixer(D, 2, 6).double(), torch.randn(3, 6, D, dtype=torch.float64)
     logits, loss = net(x, torch.tensor([0, 2, 4]))
@@ -470,21 +468,6 @@ def test_param_counts_and_flops():
     total = sum(p.numel() for p in build_model(llama).parameters())
     assert M.flops_per_token(llama) == 6 * (total - V * D) + 2 * 12 * N * D
     assert M.flops_per_token(dataclasses.replace(llama, objective='mtp2')) == 2 * M.flops_per_token(llama)
-
-
-@pytest.mark.parametrize('variant', [dict(), dict(n_convs=3), dict(expansion=2.0), dict(expansion=0.5),
-                                     dict(n_heads=2, kernel=3), dict(arch='hybrid'), dict(arch='gmlp')], ids=name)
-def test_effective_mixing_params_are_those_that_get_gradient(variant):
-    """param_counts' mixing_effective leaves out masked entries and never-read hidden rows: it
-    equals the mixing parameters with a nonzero gradient after a loss on every position."""
-    model = make(tiny(**variant))
-    counts = M.param_counts(model)
-    model(torch.randint(0, V, (2, N)), torch.randint(0, V, (2, N)))[1].backward()
-    mixing = [m for m in model.modules() if isinstance(m, (M.TokenMixing, M.Mixing, M.Attention))]
-    params = {id(p): p for m in mixing for p in m.parameters()}
-    assert sum(p.numel() for p in params.values()) == counts['mixing']
-    assert sum(int(torch.count_nonzero(p.grad)) for p in params.values()) == counts['mixing_effective']
-    assert variant or counts['mixing_effective'] == 2 * (N * (N + 1) // 2 + N)   # a tril and its bias per layer
 
 
 @pytest.mark.parametrize('variant', [dict(arch=a) for a in ('mixer', 'llama', 'gpt', 'hybrid', 'gmlp', 'elita')] + [
@@ -604,9 +587,10 @@ def without_paths(text):
 # =============================================================================
 # 4. sample.py
 
-def test_cli_samples_are_reproducible_and_batched(trained, capsys):
+def test_cli_seeds_batches_and_prompts(trained, data, tmp_path, capsys):
     """Same seed, same sample (from out_dir's best.pt); --num_samples=N decodes N rows in one batch,
-    different at temperature 1, each the batch-1 sample when greedy."""
+    different at temperature 1, each the batch-1 sample when greedy. No prompt starts from BOS; FILE:
+    reads a file; a long prompt keeps its last n_ctx - 1 tokens, announced."""
     argv = [f'--out_dir={trained}', '--prompt=def f1_', '--max_new_tokens=40', '--seed=3']
     code, out, err = run_main(capsys, 'sample', *argv)
     assert code == 0 and 'best.pt' in err and out.startswith('def f1_') and len(out) > len('def f1_\n')
@@ -618,6 +602,18 @@ def test_cli_samples_are_reproducible_and_batched(trained, capsys):
     one = run_main(capsys, 'sample', *argv, '--temperature=0')[1]
     three = run_main(capsys, 'sample', *argv, '--temperature=0', '--num_samples=3')[1]
     assert three == (one + '-' * 40 + '\n') * 2 + one
+    code, out, err = run_main(capsys, 'sample', f'--out_dir={trained}', '--max_new_tokens=10')
+    assert code == 0 and out.strip()
+    (tmp_path / 'p.txt').write_text('def f7_1(x):\n')
+    code, out, _ = run_main(capsys, 'sample', f'--out_dir={trained}', f'--prompt=FILE:{tmp_path}/p.txt',
+                            '--max_new_tokens=5')
+    assert code == 0 and out.startswith('def f7_1(x):\n')
+    long = 'def f3_1(x):\n    return x\n' * 40
+    code, out, err = run_main(capsys, 'sample', f'--out_dir={trained}', f'--prompt={long}', '--max_new_tokens=5')
+    assert code == 0 and '31' in without_paths(err)
+    tok = Tokenizer.from_dir(data)
+    kept = tok.decode(tok.encode(long)[-31:])
+    assert long.endswith(kept) and out.startswith(kept) and len(out) > len(kept) + 1
 
 
 @pytest.mark.parametrize('arch', ['mixer', 'llama'])
@@ -639,22 +635,6 @@ def test_cli_greedy_window_equals_cache(arch, trained, tmp_path, capsys):
     assert code == 0 and out.startswith('def f2_1(x):') and len(out) > len(cached) // 2
 
 
-def test_cli_prompts(trained, data, tmp_path, capsys):
-    """No prompt starts from BOS; FILE: reads a file; a long prompt keeps its last n_ctx - 1 tokens, announced."""
-    code, out, err = run_main(capsys, 'sample', f'--out_dir={trained}', '--max_new_tokens=10')
-    assert code == 0 and out.strip()
-    (tmp_path / 'p.txt').write_text('def f7_1(x):\n')
-    code, out, _ = run_main(capsys, 'sample', f'--out_dir={trained}', f'--prompt=FILE:{tmp_path}/p.txt',
-                            '--max_new_tokens=5')
-    assert code == 0 and out.startswith('def f7_1(x):\n')
-    long = 'def f3_1(x):\n    return x\n' * 40
-    code, out, err = run_main(capsys, 'sample', f'--out_dir={trained}', f'--prompt={long}', '--max_new_tokens=5')
-    assert code == 0 and '31' in without_paths(err)
-    tok = Tokenizer.from_dir(data)
-    kept = tok.decode(tok.encode(long)[-31:])
-    assert long.endswith(kept) and out.startswith(kept) and len(out) > len(kept) + 1
-
-
 def test_sample_run_from_the_shell_exits_2_without_traceback():
     r = subprocess.run([sys.executable, 'sample.py', '--ckpt=/nonexistent/ckpt.pt'], capture_output=True, text=True,
                        cwd=HERE)
@@ -662,33 +642,21 @@ def test_sample_run_from_the_shell_exits_2_without_traceback():
     assert 'Traceback' not in r.stderr
 
 
-class ByteTokenizer:
-    """Token = one UTF-8 byte: a character can span tokens, as with byte-fallback BPE pieces."""
-    eos_id = 256
-
-    def decode(self, ids):
-        return bytes(i for i in ids if i < 256).decode('utf-8', errors='replace')
-
-
-class ScriptedModel:
-    """Streams fixed token sequences (one per row of the batch), whatever the sampling arguments."""
-
-    def __init__(self, *rows):
-        self.rows = rows
-
-    def stream(self, idx, max_new_tokens, **kw):
-        assert len(idx) == len(self.rows)
-        for step in zip(*self.rows):
-            yield torch.tensor(step), None
-
-
 def test_stream_prints_whole_characters_and_each_row_stops_at_its_eos(capsys):
-    """No U+FFFD pieces of a character split across tokens; nothing after a row's end of document
-    (the batch stops when all rows have); a sample ending inside a character prints all it decodes to."""
-    text, eos, x = 'naïve ✓ 😀!', ByteTokenizer.eos_id, ord('x')
-    write = lambda rows, prompt, *argv: sample.write_samples(  # noqa: E731
-        ScriptedModel(*rows), ByteTokenizer(), list(prompt), sample.parse_args(['--max_new_tokens=100', *argv]),
-        torch.Generator())
+    """Tokens are UTF-8 bytes here, so a character can span tokens (as with byte-fallback BPE pieces):
+    no U+FFFD pieces of it print; nothing after a row's end of document (the batch stops when all rows
+    have); a sample ending inside a character prints all it decodes to."""
+    text, eos, x = 'naïve ✓ 😀!', 256, ord('x')
+    tok = types.SimpleNamespace(eos_id=eos, decode=lambda ids: bytes(i for i in ids if i < 256).decode(
+        'utf-8', errors='replace'))
+
+    def write(rows, prompt, *argv):
+        def stream(idx, max_new_tokens, **kw):  # one fixed row per sequence, whatever the sampling arguments
+            assert len(idx) == len(rows)
+            for step in zip(*rows):
+                yield torch.tensor(step), None
+        return sample.write_samples(types.SimpleNamespace(stream=stream), tok, list(prompt),
+                                    sample.parse_args(['--max_new_tokens=100', *argv]), torch.Generator())
     assert write([list(text.encode()) + [eos, x]], b'') == len(text.encode())
     assert capsys.readouterr().out == text + '\n'
     write([list(b'ok\xe2\x9c')], b'>')
@@ -1397,7 +1365,8 @@ def chi2(labels, k):
     return float(((counts - len(labels) / k) ** 2 / (len(labels) / k)).sum())
 
 
-def test_paper_sampler_never_repeats_the_match_and_places_it_uniformly():
+def test_samplers_place_the_match_once_uniformly_among_distinct_negatives():
+    """The paper's candidates; Algorithm 1's: the query first, then c-1 targets, c-2 of them non-matching."""
     gen, n_pool, k, draws = torch.Generator().manual_seed(0), 50, 8, 4000
     match = torch.randint(0, n_pool, (draws,), generator=gen)
     cands, labels = retrieve.sample_candidates(match, n_pool, k, gen)
@@ -1408,10 +1377,6 @@ def test_paper_sampler_never_repeats_the_match_and_places_it_uniformly():
     negs = cands[torch.arange(k)[None] != labels[:, None]]
     freq = torch.bincount(negs, minlength=n_pool).double() / len(negs)   # negatives spread over the pool
     assert freq.min() > 0.5 / n_pool and freq.max() < 1.5 / n_pool
-
-
-def test_indirect_sampler_follows_algorithm1():
-    """The query first, then c-1 targets: the match at a uniform slot, c-2 distinct non-matching others."""
     q, t, c = unit(40, 8, seed=7), unit(40, 8, seed=8), 6
     gen = torch.Generator().manual_seed(0)
     match = torch.randint(0, 40, (3000,), generator=gen)
@@ -1806,7 +1771,8 @@ REFUSALS = [
     # a required flag missing, or two that exclude each other
     ('prepare', ['text', OUT], 'input'), ('retrieve', [*EVAL[:2]], 'pairs'),
     ('retrieve', ['eval', '--pairs={pairs}/pairs_val.jsonl'], 'ckpt'),
-    ('retrieve', ['train', '--data_dir={pairs}'], 'init_from'), ('sample', [*SAMPLE, '--ckpt={trained}/ckpt.pt'], 'ckpt'),
+    ('retrieve', ['train', '--data_dir={pairs}'], 'init_from'),
+    ('sample', [*SAMPLE, '--ckpt={trained}/ckpt.pt'], 'ckpt'),
     # input files: missing, empty, unreadable, or not what they should be
     ('train', ['--data_dir={tmp}/nope', OUT], '{tmp}/nope'),
     ('train', ['--data_dir={data}', '--out_dir={tmp}/none', '--init_from=resume'], '{tmp}/none'),
