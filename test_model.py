@@ -1204,8 +1204,7 @@ def test_parse_args_presets_and_overrides(tmp_path):
 
 @pytest.mark.parametrize('preset', sorted(os.listdir(os.path.join(HERE, 'config'))))
 def test_every_preset_names_its_source_and_builds(preset):
-    """A preset says which paper table or section it follows (or that it is not a paper run), and
-    its settings make a valid model config."""
+    """A preset names the paper table or section it follows (or says it is not a paper run) and builds."""
     path = os.path.join(HERE, 'config', preset)
     doc = ast.get_docstring(ast.parse(open(path).read())) or ''
     assert re.search(r'Table S?\d|§\d', doc) or doc.startswith('Not a paper run'), doc
@@ -1275,9 +1274,8 @@ def unit(*shape, seed=0):
 
 
 def test_info_nce_is_eq7():
-    """-log f(q, t+) / (f(q, t+) + sum f(q, t-)) with f = exp(cos / tau) (eq. 8), by hand: over the
-    in-batch targets, over the paper's groups of 31 candidates (the match at its label), and
-    symmetric (the mean with the target-to-query direction), also for a row shard of the queries."""
+    """-log f(q, t+) / (f(q, t+) + sum f(q, t-)), f = exp(cos / tau) (eq. 8), by hand: over in-batch targets,
+    over groups of 31 candidates, and symmetric (mean with target-to-query), also for a row shard."""
     tau, f = 0.02, lambda a, b: math.exp(float(a @ b / (a.norm() * b.norm())) / 0.02)  # noqa: E731
     q, t = unit(6, 16, seed=1), unit(6, 16, seed=2)
     by_hand = [-math.log(f(q[i], t[i]) / sum(f(q[i], t[j]) for j in range(6))) for i in range(6)]
@@ -1295,8 +1293,7 @@ def test_info_nce_is_eq7():
 
 @pytest.mark.parametrize('negatives', ['inbatch', 'paper'])
 def test_info_nce_of_row_shards_averages_to_the_batch(corpus, negatives):
-    """A row shard keeps its queries and every in-batch target, so the micro-batch loss is the mean
-    of the shard losses (what lets DDP split one retrieval batch)."""
+    """A row shard keeps its queries and every in-batch target: the shard losses average to the batch's."""
     tok = Tokenizer.from_dir(str(corpus[1]))
     get = retrieve.PairBatches(dict(train.LOOP_DEFAULTS, data_dir=str(corpus[1]), negatives=negatives, batch_size=4),
                                tok, 32)
@@ -1545,8 +1542,7 @@ def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
 
 
 def test_retrieval_ddp_row_shards_equal_one_process(corpus, capsys, tmp_path):
-    """torchrun with retrieve.py train's defaults (grad_accum=1): each rank embeds half the queries
-    and every in-batch target, and the step equals the one-process step."""
+    """torchrun, grad_accum=1: each rank embeds half the queries and every target; the step is one process's."""
     common = ['train', f'--init_from={corpus[2]}', f'--data_dir={corpus[1]}', '--batch_size=8', '--lr=2e-3',
               '--max_iters=1', '--eval_interval=1', '--eval_iters=1', '--dtype=float32']
     torchrun('retrieve.py', [*common, f'--out_dir={tmp_path}/ddp'])
@@ -1663,9 +1659,8 @@ class ConstantBlock(nn.Module):
 
 
 def test_bench_represent_recovers_what_reaches_the_layer():
-    """Zeroed blocks are identities (x + 0), so O_l(e) = e: every token comes back (from the last
-    position alone, nothing of the others does). A constant block passes nothing: tokens come back at
-    chance, 1 - 1/vocab. Pad positions are not counted (eq. 6)."""
+    """Zeroed blocks are identities, so O_l(e) = e: every token comes back (from the last position alone,
+    none of the others). A constant block passes nothing: chance, 1 - 1/vocab. Pads are not counted (eq. 6)."""
     model = bench_mixer()
     with torch.no_grad():
         for p in model.backbone.blocks.parameters():
