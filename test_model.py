@@ -1250,7 +1250,8 @@ def make_ckpt(path, data_dir, **kw):
 
 @pytest.fixture(scope='module')
 def corpus(tmp_path_factory):
-    """(root, a data dir with a 400-piece tokenizer, 160 training and 48 val pairs, a mixer and a llama checkpoint)."""
+    """A data dir with a 400-piece tokenizer, 160 training and 48 val pairs; untrained mixer, llama and
+    mixer autoencoder checkpoints on it."""
     root = tmp_path_factory.mktemp('retrieve')
     rng = random.Random(0)
     pairs = [pair_texts(rng, i) for i in range(208)]
@@ -1261,12 +1262,9 @@ def corpus(tmp_path_factory):
     assert prepare.main(['text', f'--input={root}/src', f'--out_dir={data}', '--vocab_size=400']) == 0
     write_pairs(data / 'pairs_train.jsonl', pairs[:160])
     write_pairs(data / 'pairs_val.jsonl', pairs[160:])
-    return root, data, make_ckpt(root / 'mixer.pt', data), make_ckpt(root / 'llama.pt', data, arch='llama')
-
-
-@pytest.fixture(scope='module')
-def autoencoder(corpus):
-    return make_ckpt(corpus[0] / 'ae.pt', corpus[1], objective='autoencoder')
+    return types.SimpleNamespace(root=root, data=data, mixer=make_ckpt(root / 'mixer.pt', data),
+                                 llama=make_ckpt(root / 'llama.pt', data, arch='llama'),
+                                 ae=make_ckpt(root / 'ae.pt', data, objective='autoencoder'))
 
 
 def unit(*shape, seed=0):
@@ -1294,8 +1292,8 @@ def test_info_nce_is_eq7():
 @pytest.mark.parametrize('negatives', ['inbatch', 'paper'])
 def test_info_nce_of_row_shards_averages_to_the_batch(corpus, negatives):
     """A row shard keeps its queries and every in-batch target: the shard losses average to the batch's."""
-    tok = Tokenizer.from_dir(str(corpus[1]))
-    get = retrieve.PairBatches(dict(train.LOOP_DEFAULTS, data_dir=str(corpus[1]), negatives=negatives, batch_size=4),
+    tok = Tokenizer.from_dir(str(corpus.data))
+    get = retrieve.PairBatches(dict(train.LOOP_DEFAULTS, data_dir=str(corpus.data), negatives=negatives, batch_size=4),
                                tok, 32)
     emb = torch.nn.Embedding(tok.vocab_size, 8)
 
@@ -1388,8 +1386,8 @@ def test_samplers_place_the_match_once_uniformly_among_distinct_negatives():
 def test_pair_batches_layout(corpus):
     """paper: B queries then B groups of 31 candidates, the match at its label; inbatch: B + B rows.
     Left padding; a pure function of its arguments."""
-    tok = Tokenizer.from_dir(str(corpus[1]))
-    cfg = dict(train.LOOP_DEFAULTS, data_dir=str(corpus[1]), negatives='paper', batch_size=2)
+    tok = Tokenizer.from_dir(str(corpus.data))
+    cfg = dict(train.LOOP_DEFAULTS, data_dir=str(corpus.data), negatives='paper', batch_size=2)
     batches = retrieve.PairBatches(cfg, tok, 32)
     idx, mask, labels = batches('train', 5, 0)
     assert idx.shape == (2 + 2 * 31, 32) and labels.shape == (2,) and torch.equal(idx, batches('train', 5, 0)[0])
@@ -1402,18 +1400,18 @@ def test_pair_batches_layout(corpus):
     assert idx.shape == (8, 32) and torch.equal(labels, torch.arange(4))
 
 
-def test_eval_identical_texts_is_100_percent_and_n_is_capped(corpus, autoencoder, capsys, tmp_path):
+def test_eval_identical_texts_is_100_percent_and_n_is_capped(corpus, capsys, tmp_path):
     """Untrained but deterministic encoders find a target identical to its query at every n; n
     past the pair count is capped at it + 1 (the query and every target), announced."""
     write_pairs(tmp_path / 'same.jsonl', [(t, t) for _, t in (pair_texts(random.Random(1), i) for i in range(40))])
-    for ckpt in (corpus[2], corpus[3], autoencoder):
+    for ckpt in (corpus.mixer, corpus.llama, corpus.ae):
         code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={ckpt}', f'--pairs={tmp_path}/same.jsonl',
                                   '--n=8,16,32', f'--json={tmp_path}/m.json')
         m = json.loads((tmp_path / 'm.json').read_text())
         assert code == 0 and set(m) == {'top1', 'mrr@10', 'recall@k', 'n_pairs'} and m['n_pairs'] == 40
         assert m['top1'] == {'8': 100.0, '16': 100.0, '32': 100.0} and m['mrr@10'] == 1.0
         assert m['recall@k'] == {'1': 100.0, '5': 100.0, '10': 100.0}
-    code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={corpus[2]}', f'--pairs={corpus[1]}/pairs_val.jsonl',
+    code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={corpus.mixer}', f'--pairs={corpus.data}/pairs_val.jsonl',
                               '--n=16,64,128', f'--json={tmp_path}/m.json')
     assert code == 0 and '49' in without_paths(err)
     assert list(json.loads((tmp_path / 'm.json').read_text())['top1']) == ['16', '49']
@@ -1442,10 +1440,10 @@ class FakeSentenceTransformer:
 
 def test_eval_peer_scores_a_sentence_transformer_on_the_same_pairs(corpus, capsys, tmp_path, monkeypatch):
     """--peer scores a sentence-transformers model by the same metric on the same pairs, beside the checkpoint."""
-    pairs = corpus[1] / 'pairs_val.jsonl'
+    pairs = corpus.data / 'pairs_val.jsonl'
     fake = types.SimpleNamespace(SentenceTransformer=FakeSentenceTransformer)
     monkeypatch.setitem(sys.modules, 'sentence_transformers', fake)
-    code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={corpus[2]}', '--peer=fake-peer', f'--pairs={pairs}',
+    code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={corpus.mixer}', '--peer=fake-peer', f'--pairs={pairs}',
                               '--n=8,16', f'--json={tmp_path}/m.json')
     assert code == 0, err
     m = json.loads((tmp_path / 'm.json').read_text())
@@ -1476,7 +1474,7 @@ def test_retrieval_mixer_learns_algorithm1_inputs():
 
 
 def test_indirect_trains_and_reports(corpus, capsys, tmp_path):
-    code, out, err = run_main(capsys, 'retrieve', 'indirect', f'--ckpt={corpus[2]}', f'--data_dir={corpus[1]}',
+    code, out, err = run_main(capsys, 'retrieve', 'indirect', f'--ckpt={corpus.mixer}', f'--data_dir={corpus.data}',
                               f'--out_dir={tmp_path}/ind', '--c=4,8', '--n_layers=1', '--max_iters=6',
                               '--eval_interval=6', '--eval_iters=1', '--batch_size=16', f'--json={tmp_path}/ind.json')
     assert code == 0, err
@@ -1484,13 +1482,13 @@ def test_indirect_trains_and_reports(corpus, capsys, tmp_path):
     assert set(res) == {'4', '8'} and all(0 <= r['top1'] <= 100 and r['loss'] > 0 for r in res.values())
     ckpt = train.load_checkpoint(tmp_path / 'ind/c8/ckpt.pt')
     assert ckpt['kind'] == 'indirect' and ckpt['retrieval_mixer'] == dict(d_model=32, n_layers=1, c=8)
-    assert ckpt['embedder']['ckpt'] == os.path.abspath(corpus[2])
+    assert ckpt['embedder']['ckpt'] == os.path.abspath(corpus.mixer)
 
 
 def test_index_and_search(corpus, capsys, tmp_path):
     """A document's own text finds it first, at cosine 1 (binary files skipped). An index answers only
     queries embedded by its own weights, and no empty ones; --overwrite rebuilds it for other weights."""
-    _, data, mixer, llama = corpus
+    data, mixer, llama = corpus.data, corpus.mixer, corpus.llama
     rng, index = random.Random(2), tmp_path / 'index'
     texts = [''.join(pair_texts(rng, 100 + i)) for i in range(12)]
     (tmp_path / 'docs').mkdir()
@@ -1520,7 +1518,7 @@ def test_index_and_search(corpus, capsys, tmp_path):
 def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     """60 InfoNCE steps from an untrained LM beat chance 3x; the lm head stays frozen; the result is
     an ordinary model checkpoint, and --init_from=resume continues it."""
-    _, data, mixer, _ = corpus
+    data, mixer = corpus.data, corpus.mixer
     out_dir = tmp_path / 'ret'
     common = [f'--data_dir={data}', f'--out_dir={out_dir}', '--batch_size=16', '--lr=2e-3', '--warmup_iters=2',
               '--eval_interval=20', '--eval_iters=3', '--log_interval=10', '--dtype=float32']
@@ -1543,7 +1541,7 @@ def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
 
 def test_retrieval_ddp_row_shards_equal_one_process(corpus, capsys, tmp_path):
     """torchrun, grad_accum=1: each rank embeds half the queries and every target; the step is one process's."""
-    common = ['train', f'--init_from={corpus[2]}', f'--data_dir={corpus[1]}', '--batch_size=8', '--lr=2e-3',
+    common = ['train', f'--init_from={corpus.mixer}', f'--data_dir={corpus.data}', '--batch_size=8', '--lr=2e-3',
               '--max_iters=1', '--eval_interval=1', '--eval_iters=1', '--dtype=float32']
     torchrun('retrieve.py', [*common, f'--out_dir={tmp_path}/ddp'])
     assert run_main(capsys, 'retrieve', *common, f'--out_dir={tmp_path}/one')[0] == 0
@@ -1554,17 +1552,17 @@ def test_retrieval_ddp_row_shards_equal_one_process(corpus, capsys, tmp_path):
         torch.testing.assert_close(v, b['model'][k], rtol=0, atol=0.5 * 2e-3 / 21)
 
 
-def test_train_paper_negatives_and_autoencoder_encoder(corpus, autoencoder, capsys, tmp_path):
+def test_train_paper_negatives_and_autoencoder_encoder(corpus, capsys, tmp_path):
     """Paper negatives with grad_accum train a llama; an autoencoder trains its encoder only."""
-    for ckpt, extra in ((corpus[3], ['--negatives=paper', '--batch_size=1', '--grad_accum=2']), (autoencoder, [])):
+    for ckpt, extra in ((corpus.llama, ['--negatives=paper', '--batch_size=1', '--grad_accum=2']), (corpus.ae, [])):
         out_dir = tmp_path / os.path.basename(ckpt)
-        code, out, err = run_main(capsys, 'retrieve', 'train', f'--init_from={ckpt}', f'--data_dir={corpus[1]}',
+        code, out, err = run_main(capsys, 'retrieve', 'train', f'--init_from={ckpt}', f'--data_dir={corpus.data}',
                                   f'--out_dir={out_dir}', '--max_iters=2', '--eval_interval=2', '--eval_iters=1',
                                   *extra)
         assert code == 0, err
         before, after = torch.load(ckpt, weights_only=True)['model'], train.load_checkpoint(out_dir / 'ckpt.pt')
         changed = {k for k in before if not torch.equal(before[k], after['model'][k])}
-        if ckpt == autoencoder:
+        if ckpt == corpus.ae:
             assert changed and all(k.startswith('encoder.') for k in changed)
         else:
             assert after['config']['negatives'] == 'paper' and 'backbone.wte.weight' in changed
@@ -1588,7 +1586,7 @@ def test_bench_throughput_rows_and_mfu(tmp_path):
 
 def test_bench_retrieval_times_full_and_trimmed_steps(corpus):
     rows = bench.main(['retrieval', '--archs=mixer,llama', '--d_model=32', '--n_layers=1', '--n_ctx=32',
-                       '--batch_size=4', '--dtype=float32', f'--data_dir={corpus[1]}', '--warmup=1', '--repeats=1'])
+                       '--batch_size=4', '--dtype=float32', f'--data_dir={corpus.data}', '--warmup=1', '--repeats=1'])
     assert [(r['arch'], r['padding']) for r in rows] == [('mixer', 'full'), ('mixer', 'trimmed'),
                                                          ('llama', 'full'), ('llama', 'trimmed')]
     assert all(r['ms_per_step'] > 0 and 0 < r['real_tokens'] < 1 for r in rows)
@@ -1832,20 +1830,17 @@ def scratch(tmp_path, data_dir):
 
 
 @pytest.mark.parametrize('script,argv,culprit', REFUSALS, ids=[f'{s}:{c}' for s, _, c in REFUSALS])
-def test_refusal(script, argv, culprit, request, tmp_path, capsys):
-    corpus = request.getfixturevalue('corpus')
-    scratch(tmp_path, corpus[1])
-    keep = [tmp_path, corpus[0]]
+def test_refusal(script, argv, culprit, corpus, request, tmp_path, capsys):
+    scratch(tmp_path, corpus.data)
+    keep = [tmp_path, corpus.root]
 
-    def fill(text):
-        def value(m):
-            if m[1] in ('data', 'trained'):   # their folders are kept too: train's corpus, the finished run
-                path = str(request.getfixturevalue(m[1]))
-                keep.append(os.path.dirname(path) if m[1] == 'data' else path)
-                return path
-            fixed = {'tmp': tmp_path, 'mixer': corpus[2], 'pairs': corpus[1]}
-            return str(fixed[m[1]] if m[1] in fixed else request.getfixturevalue('autoencoder'))
-        return re.sub(r'\{(\w+)\}', value, str(text))
+    def value(m):
+        if m[1] in ('data', 'trained'):   # their folders are kept too: train's corpus, the finished run
+            path = str(request.getfixturevalue(m[1]))
+            keep.append(os.path.dirname(path) if m[1] == 'data' else path)
+            return path
+        return str({'tmp': tmp_path, 'mixer': corpus.mixer, 'pairs': corpus.data, 'ae': corpus.ae}[m[1]])
+    fill = lambda text: re.sub(r'\{(\w+)\}', value, str(text))  # noqa: E731
     refused(capsys, script, [fill(a) for a in argv], fill(culprit), keep=keep)
     assert script != 'train' or not (tmp_path / 'out').exists()       # train makes no out_dir either
 
