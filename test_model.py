@@ -1411,8 +1411,8 @@ def test_eval_identical_texts_is_100_percent_and_n_is_capped(corpus, capsys, tmp
         assert code == 0 and set(m) == {'top1', 'mrr@10', 'recall@k', 'n_pairs'} and m['n_pairs'] == 40
         assert m['top1'] == {'8': 100.0, '16': 100.0, '32': 100.0} and m['mrr@10'] == 1.0
         assert m['recall@k'] == {'1': 100.0, '5': 100.0, '10': 100.0}
-    code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={corpus.mixer}', f'--pairs={corpus.data}/pairs_val.jsonl',
-                              '--n=16,64,128', f'--json={tmp_path}/m.json')
+    code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={corpus.mixer}',
+                              f'--pairs={corpus.data}/pairs_val.jsonl', '--n=16,64,128', f'--json={tmp_path}/m.json')
     assert code == 0 and '49' in without_paths(err)
     assert list(json.loads((tmp_path / 'm.json').read_text())['top1']) == ['16', '49']
 
@@ -1443,8 +1443,8 @@ def test_eval_peer_scores_a_sentence_transformer_on_the_same_pairs(corpus, capsy
     pairs = corpus.data / 'pairs_val.jsonl'
     fake = types.SimpleNamespace(SentenceTransformer=FakeSentenceTransformer)
     monkeypatch.setitem(sys.modules, 'sentence_transformers', fake)
-    code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={corpus.mixer}', '--peer=fake-peer', f'--pairs={pairs}',
-                              '--n=8,16', f'--json={tmp_path}/m.json')
+    code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={corpus.mixer}', '--peer=fake-peer',
+                              f'--pairs={pairs}', '--n=8,16', f'--json={tmp_path}/m.json')
     assert code == 0, err
     m = json.loads((tmp_path / 'm.json').read_text())
     peer = FakeSentenceTransformer('fake-peer')
