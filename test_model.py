@@ -164,13 +164,17 @@ def test_objective_targets():
     assert M.objective_targets('half', x, y, mask).tolist() == [[-1, -1, -1, -1, 4, 5, -1, -1]]
 
 
-@pytest.mark.parametrize('variant', [dict(), dict(kernel=3), dict(n_heads=2), dict(softmax=True),
-                                     dict(expansion=2.0), dict(expansion=0.5), dict(n_convs=2)], ids=name)
+@pytest.mark.parametrize('variant', [dict(), dict(kernel=3), dict(n_heads=2, kernel=3), dict(softmax=True),
+                                     dict(expansion=2.0), dict(expansion=0.5), dict(n_convs=3), dict(arch='hybrid'),
+                                     dict(arch='gmlp')], ids=name)
 def test_masked_weights_get_exactly_zero_gradient(variant):
-    """Above the diagonal a mixing weight gets no gradient; every allowed entry that is read gets one."""
+    """Above the diagonal a mixing weight gets no gradient; every allowed entry that is read gets one.
+    param_counts' mixing_effective (no masked entries, no never-read hidden rows) counts just those."""
     model = make(tiny(**variant))
+    counts = M.param_counts(model)
     model(torch.randint(0, V, (2, N)), torch.randint(0, V, (2, N)))[1].backward()
-    for mix in (m for m in model.modules() if isinstance(m, M.Mixing)):
+    mixings = [m for m in model.modules() if isinstance(m, M.Mixing)]
+    for mix in mixings:
         keep = M.allowed_positions('causal', mix.n_out, mix.n_in, 0, 'cpu')
         g = mix.weight.grad                                   # (P, H, k, n_out, n_in)
         assert torch.count_nonzero(g * ~keep) == 0
@@ -178,11 +182,16 @@ def test_masked_weights_get_exactly_zero_gradient(variant):
         used[N:] = False          # e > 1: hidden rows past n_ctx are never read, so they get no gradient
         used[0] &= not mix.softmax  # a softmax over one allowed entry is the constant 1
         assert torch.count_nonzero(g * used) == used.sum() * g.shape[0] * g.shape[1] * g.shape[2]
+    params = {id(p): p for m in model.modules() if isinstance(m, (M.TokenMixing, M.Mixing, M.Attention))
+              for p in m.parameters()}
+    assert sum(p.numel() for p in params.values()) == counts['mixing']
+    constant = sum(m.weight[..., 0, 0].numel() for m in mixings if m.softmax)
+    assert sum(int(torch.count_nonzero(p.grad)) for p in params.values()) == counts['mixing_effective'] - constant
+    assert variant or counts['mixing_effective'] == 2 * (N * (N + 1) // 2 + N)   # a tril and its bias per layer
 
 
 def test_expanded_mixer_below_one_loses_tokens():
-    """Paper fig S3: with e < 1 the hidden has e*n rows, so tokens at positions >= e*n never reach
-    another position (only their own, through the residual)."""
+    """Paper fig S3: with e < 1 tokens at positions >= e*n reach no other position (their own by the residual)."""
     model = make(tiny(expansion=0.5, n_layers=1))
     grad = embedding_grad(model, torch.randint(0, V, (2, N)), None, lambda lg: lg[:, N - 1].pow(2).sum())
     assert torch.count_nonzero(grad[:, N // 2:N - 1]) == 0 and torch.count_nonzero(grad[:, :N // 2]) > 0
@@ -241,10 +250,8 @@ def decode(model, idx, steps, method, **kw):
 
 @pytest.mark.parametrize('variant', VARIANTS, ids=name)
 def test_window_equals_cache_equals_full_forward(variant):
-    """Three computations of the same logits: the paper's window (the whole window re-run each step),
-    the cache (one position per step) and the parallel training forward. Window and cache give the
-    same greedy tokens for 2.5 windows (both slide alike); within the first window each cached step's
-    logits are the full forward's."""
+    """The paper's window (re-run whole each step), the cache (one position a step) and the training
+    forward: the same greedy tokens for 2.5 windows (both slide alike), the same logits in the first."""
     model = tiny_model(**variant)
     idx = prompt(5)
     tok_w, logit_w = decode(model, idx, 2 * N_CTX + N_CTX // 2, 'window')
@@ -272,9 +279,8 @@ def test_decode_layout_changes_strides_not_tokens(variant):
 
 @pytest.mark.parametrize('arch', ['mixer', 'llama'])
 def test_compiled_decode_step_traces_once_for_all_positions(arch):
-    """stream(compile=True) wraps decode_step in one dynamic-shape graph that serves every position
-    (a static one would retrace per position) and decodes the same tokens and logits. The 'eager'
-    backend checks the tracing in seconds; inductor's code generation is left to bench.py --compile."""
+    """stream(compile=True): one dynamic-shape graph for every position, the same tokens and logits.
+    The 'eager' backend checks the tracing in seconds; inductor's code is left to bench.py --compile."""
     from torch._dynamo.utils import counters
     model = tiny_model(arch=arch)
     torch._dynamo.reset()
@@ -289,8 +295,7 @@ def test_compiled_decode_step_traces_once_for_all_positions(arch):
 
 
 def test_elita_recurrent_equals_parallel_across_scan_blocks():
-    """ELiTA's O(1)-state recurrence equals its blockwise parallel scan over several blocks,
-    prefilling a prompt that itself spans a block boundary."""
+    """ELiTA's O(1)-state recurrence equals its blockwise scan, from a prompt spanning a block boundary."""
     model = tiny_model(arch='elita', n_ctx=2 * M.ELITA_CHUNK + 22)
     idx = prompt(M.ELITA_CHUNK + 5, batch=1)
     tokens, logits = decode(model, idx, model.cfg.n_ctx - idx.shape[1], 'cache')
@@ -334,9 +339,10 @@ def test_sampling_filters():
 # =============================================================================
 # 3. the models against written-out references; accounting; configuration
 
-def test_parallel_mixings_are_sum_of_gelus_not_one_flat_mixing():
-    """n_convs=p is sum_i GELU(tril(W_i) x + b_i) (the author's parallel convolutions) and one flat
-    mixing is tril(W) x + b with no GELU, so loading the summed weights into n_convs=1 changes the logits."""
+def test_mixings_and_mlps_match_their_formulas():
+    """n_convs=p is sum_i GELU(tril(W_i) x + b_i) (the author's parallel convolutions), not one flat
+    tril(W) x + b; a softmax mixing's rows are distributions over the past; gpt's MLP uses GPT-1's
+    tanh GELU, the mixer's the exact one."""
     par, flat = make(tiny(n_convs=2)), make(tiny())
     flat.load_state_dict({k: v.sum(0, keepdim=True) if k.endswith(('.weight', '.bias')) and 'mix.' in k else v
                           for k, v in par.state_dict().items()})
@@ -347,12 +353,15 @@ def test_parallel_mixings_are_sum_of_gelus_not_one_flat_mixing():
     w, b = mix.weight[:, 0, 0].tril(), mix.bias[:, 0]             # (2, N, N), (2, N, 1)
     assert torch.allclose(mix(x, M.Context(), N)[:, 0], sum(F.gelu(w[i] @ x[:, 0] + b[i]) for i in range(2)))
     assert torch.allclose(one(x, M.Context(), N)[:, 0], one.weight[0, 0, 0].tril() @ x[:, 0] + one.bias[0, 0])
-
-
-def test_softmax_mixing_rows_sum_to_one_over_the_past():
     m = make(tiny(softmax=True)).backbone.blocks[0].layers[0].mix.matrix(0, N, N)[0, 0, 0]  # head 0's (n_out, n_in)
     assert torch.allclose(m.sum(-1), torch.ones(N, dtype=m.dtype))
     assert torch.count_nonzero(m.triu(1)) == 0 and (m.tril() > 0).sum() == N * (N + 1) // 2
+    x = torch.randn(3, D, dtype=torch.float64)
+    for arch, approx in (('gpt', 'tanh'), ('mixer', 'none')):
+        mlp = make(tiny(arch=arch)).backbone.blocks[0].layers[1]
+        assert torch.equal(mlp(x), mlp.out(F.gelu(mlp.fc(x), approximate=approx)))
+    gelu_tanh = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    assert torch.allclose(F.gelu(x, approximate='tanh'), gelu_tanh)
 
 
 def reference_attention(x, attn, mask=None):
@@ -382,15 +391,6 @@ def test_attention_matches_explicit_computation(arch, padding):
     assert torch.allclose(attn(x, M.Context(mask=mask)), reference_attention(x, attn, mask), atol=1e-10)
 
 
-def test_gpt_uses_gpt1_tanh_gelu_and_the_mixer_exact_gelu():
-    x = torch.randn(3, D, dtype=torch.float64)
-    for arch, approx in (('gpt', 'tanh'), ('mixer', 'none')):
-        mlp = make(tiny(arch=arch)).backbone.blocks[0].layers[1]
-        assert torch.equal(mlp(x), mlp.out(F.gelu(mlp.fc(x), approximate=approx)))
-    gelu_tanh = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
-    assert torch.allclose(F.gelu(x, approximate='tanh'), gelu_tanh)
-
-
 @pytest.mark.parametrize('where', ['input', 'every'])
 def test_position_channel_holds_the_centred_position(where):
     """The blog's ablation: the last channel carries t - n_ctx/2 (on the embedding, and with
@@ -407,9 +407,8 @@ def test_position_channel_holds_the_centred_position(where):
 
 
 def test_transformer_autoencoder_decoder_is_position_blind():
-    """The paper's transformer autoencoder feeds the same vector to every decoder position; attention
-    over identical values returns that value whatever RoPE does, so every position decodes the same
-    distribution (why it autoencodes poorly, paper fig 8). The mixer's position-specific weights do not."""
+    """Attention over one vector repeated returns it whatever RoPE does: every position decodes alike
+    (why it autoencodes poorly, paper fig 8). The mixer's position-specific weights do not."""
     idx = torch.randint(0, V, (2, N))
     llama, _ = make(tiny(arch='llama', objective='autoencoder'))(idx)
     assert torch.allclose(llama, llama[:, :1].expand_as(llama), atol=1e-10)
@@ -437,8 +436,7 @@ def test_bidirectional_streams_share_feedforwards_by_default(arch):
 
 
 def test_retrieval_mixer_only_position_dependence_is_its_mixing_weights():
-    """Permuting the targets and the mixing weights' rows/columns alike permutes the logits:
-    the head and feed-forwards are shared across positions, nothing else knows positions."""
+    """Permuting the targets and the mixing weights' rows and columns alike permutes the logits."""
     torch.manual_seed(0)
     net, x = M.RetrievalMixer(D, 2, 6).double(), torch.randn(3, 6, D, dtype=torch.float64)
     logits, loss = net(x, torch.tensor([0, 2, 4]))
@@ -470,21 +468,6 @@ def test_param_counts_and_flops():
     total = sum(p.numel() for p in build_model(llama).parameters())
     assert M.flops_per_token(llama) == 6 * (total - V * D) + 2 * 12 * N * D
     assert M.flops_per_token(dataclasses.replace(llama, objective='mtp2')) == 2 * M.flops_per_token(llama)
-
-
-@pytest.mark.parametrize('variant', [dict(), dict(n_convs=3), dict(expansion=2.0), dict(expansion=0.5),
-                                     dict(n_heads=2, kernel=3), dict(arch='hybrid'), dict(arch='gmlp')], ids=name)
-def test_effective_mixing_params_are_those_that_get_gradient(variant):
-    """param_counts' mixing_effective leaves out masked entries and never-read hidden rows: it
-    equals the mixing parameters with a nonzero gradient after a loss on every position."""
-    model = make(tiny(**variant))
-    counts = M.param_counts(model)
-    model(torch.randint(0, V, (2, N)), torch.randint(0, V, (2, N)))[1].backward()
-    mixing = [m for m in model.modules() if isinstance(m, (M.TokenMixing, M.Mixing, M.Attention))]
-    params = {id(p): p for m in mixing for p in m.parameters()}
-    assert sum(p.numel() for p in params.values()) == counts['mixing']
-    assert sum(int(torch.count_nonzero(p.grad)) for p in params.values()) == counts['mixing_effective']
-    assert variant or counts['mixing_effective'] == 2 * (N * (N + 1) // 2 + N)   # a tril and its bias per layer
 
 
 @pytest.mark.parametrize('variant', [dict(arch=a) for a in ('mixer', 'llama', 'gpt', 'hybrid', 'gmlp', 'elita')] + [
@@ -604,9 +587,10 @@ def without_paths(text):
 # =============================================================================
 # 4. sample.py
 
-def test_cli_samples_are_reproducible_and_batched(trained, capsys):
+def test_cli_seeds_batches_and_prompts(trained, data, tmp_path, capsys):
     """Same seed, same sample (from out_dir's best.pt); --num_samples=N decodes N rows in one batch,
-    different at temperature 1, each the batch-1 sample when greedy."""
+    different at temperature 1, each the batch-1 sample when greedy. No prompt starts from BOS; FILE:
+    reads a file; a long prompt keeps its last n_ctx - 1 tokens, announced."""
     argv = [f'--out_dir={trained}', '--prompt=def f1_', '--max_new_tokens=40', '--seed=3']
     code, out, err = run_main(capsys, 'sample', *argv)
     assert code == 0 and 'best.pt' in err and out.startswith('def f1_') and len(out) > len('def f1_\n')
@@ -618,6 +602,18 @@ def test_cli_samples_are_reproducible_and_batched(trained, capsys):
     one = run_main(capsys, 'sample', *argv, '--temperature=0')[1]
     three = run_main(capsys, 'sample', *argv, '--temperature=0', '--num_samples=3')[1]
     assert three == (one + '-' * 40 + '\n') * 2 + one
+    code, out, err = run_main(capsys, 'sample', f'--out_dir={trained}', '--max_new_tokens=10')
+    assert code == 0 and out.strip()
+    (tmp_path / 'p.txt').write_text('def f7_1(x):\n')
+    code, out, _ = run_main(capsys, 'sample', f'--out_dir={trained}', f'--prompt=FILE:{tmp_path}/p.txt',
+                            '--max_new_tokens=5')
+    assert code == 0 and out.startswith('def f7_1(x):\n')
+    long = 'def f3_1(x):\n    return x\n' * 40
+    code, out, err = run_main(capsys, 'sample', f'--out_dir={trained}', f'--prompt={long}', '--max_new_tokens=5')
+    assert code == 0 and '31' in without_paths(err)
+    tok = Tokenizer.from_dir(data)
+    kept = tok.decode(tok.encode(long)[-31:])
+    assert long.endswith(kept) and out.startswith(kept) and len(out) > len(kept) + 1
 
 
 @pytest.mark.parametrize('arch', ['mixer', 'llama'])
@@ -639,22 +635,6 @@ def test_cli_greedy_window_equals_cache(arch, trained, tmp_path, capsys):
     assert code == 0 and out.startswith('def f2_1(x):') and len(out) > len(cached) // 2
 
 
-def test_cli_prompts(trained, data, tmp_path, capsys):
-    """No prompt starts from BOS; FILE: reads a file; a long prompt keeps its last n_ctx - 1 tokens, announced."""
-    code, out, err = run_main(capsys, 'sample', f'--out_dir={trained}', '--max_new_tokens=10')
-    assert code == 0 and out.strip()
-    (tmp_path / 'p.txt').write_text('def f7_1(x):\n')
-    code, out, _ = run_main(capsys, 'sample', f'--out_dir={trained}', f'--prompt=FILE:{tmp_path}/p.txt',
-                            '--max_new_tokens=5')
-    assert code == 0 and out.startswith('def f7_1(x):\n')
-    long = 'def f3_1(x):\n    return x\n' * 40
-    code, out, err = run_main(capsys, 'sample', f'--out_dir={trained}', f'--prompt={long}', '--max_new_tokens=5')
-    assert code == 0 and '31' in without_paths(err)
-    tok = Tokenizer.from_dir(data)
-    kept = tok.decode(tok.encode(long)[-31:])
-    assert long.endswith(kept) and out.startswith(kept) and len(out) > len(kept) + 1
-
-
 def test_sample_run_from_the_shell_exits_2_without_traceback():
     r = subprocess.run([sys.executable, 'sample.py', '--ckpt=/nonexistent/ckpt.pt'], capture_output=True, text=True,
                        cwd=HERE)
@@ -662,33 +642,21 @@ def test_sample_run_from_the_shell_exits_2_without_traceback():
     assert 'Traceback' not in r.stderr
 
 
-class ByteTokenizer:
-    """Token = one UTF-8 byte: a character can span tokens, as with byte-fallback BPE pieces."""
-    eos_id = 256
-
-    def decode(self, ids):
-        return bytes(i for i in ids if i < 256).decode('utf-8', errors='replace')
-
-
-class ScriptedModel:
-    """Streams fixed token sequences (one per row of the batch), whatever the sampling arguments."""
-
-    def __init__(self, *rows):
-        self.rows = rows
-
-    def stream(self, idx, max_new_tokens, **kw):
-        assert len(idx) == len(self.rows)
-        for step in zip(*self.rows):
-            yield torch.tensor(step), None
-
-
 def test_stream_prints_whole_characters_and_each_row_stops_at_its_eos(capsys):
-    """No U+FFFD pieces of a character split across tokens; nothing after a row's end of document
-    (the batch stops when all rows have); a sample ending inside a character prints all it decodes to."""
-    text, eos, x = 'naïve ✓ 😀!', ByteTokenizer.eos_id, ord('x')
-    write = lambda rows, prompt, *argv: sample.write_samples(  # noqa: E731
-        ScriptedModel(*rows), ByteTokenizer(), list(prompt), sample.parse_args(['--max_new_tokens=100', *argv]),
-        torch.Generator())
+    """Tokens are UTF-8 bytes here, so a character can span tokens (as with byte-fallback BPE pieces):
+    no U+FFFD pieces of it print; nothing after a row's end of document (the batch stops when all rows
+    have); a sample ending inside a character prints all it decodes to."""
+    text, eos, x = 'naïve ✓ 😀!', 256, ord('x')
+    tok = types.SimpleNamespace(eos_id=eos, decode=lambda ids: bytes(i for i in ids if i < 256).decode(
+        'utf-8', errors='replace'))
+
+    def write(rows, prompt, *argv):
+        def stream(idx, max_new_tokens, **kw):  # one fixed row per sequence, whatever the sampling arguments
+            assert len(idx) == len(rows)
+            for step in zip(*rows):
+                yield torch.tensor(step), None
+        return sample.write_samples(types.SimpleNamespace(stream=stream), tok, list(prompt),
+                                    sample.parse_args(['--max_new_tokens=100', *argv]), torch.Generator())
     assert write([list(text.encode()) + [eos, x]], b'') == len(text.encode())
     assert capsys.readouterr().out == text + '\n'
     write([list(b'ok\xe2\x9c')], b'>')
@@ -1236,8 +1204,7 @@ def test_parse_args_presets_and_overrides(tmp_path):
 
 @pytest.mark.parametrize('preset', sorted(os.listdir(os.path.join(HERE, 'config'))))
 def test_every_preset_names_its_source_and_builds(preset):
-    """A preset says which paper table or section it follows (or that it is not a paper run), and
-    its settings make a valid model config."""
+    """A preset names the paper table or section it follows (or says it is not a paper run) and builds."""
     path = os.path.join(HERE, 'config', preset)
     doc = ast.get_docstring(ast.parse(open(path).read())) or ''
     assert re.search(r'Table S?\d|§\d', doc) or doc.startswith('Not a paper run'), doc
@@ -1283,7 +1250,8 @@ def make_ckpt(path, data_dir, **kw):
 
 @pytest.fixture(scope='module')
 def corpus(tmp_path_factory):
-    """(root, a data dir with a 400-piece tokenizer, 160 training and 48 val pairs, a mixer and a llama checkpoint)."""
+    """A data dir with a 400-piece tokenizer, 160 training and 48 val pairs; untrained mixer, llama and
+    mixer autoencoder checkpoints on it."""
     root = tmp_path_factory.mktemp('retrieve')
     rng = random.Random(0)
     pairs = [pair_texts(rng, i) for i in range(208)]
@@ -1294,12 +1262,9 @@ def corpus(tmp_path_factory):
     assert prepare.main(['text', f'--input={root}/src', f'--out_dir={data}', '--vocab_size=400']) == 0
     write_pairs(data / 'pairs_train.jsonl', pairs[:160])
     write_pairs(data / 'pairs_val.jsonl', pairs[160:])
-    return root, data, make_ckpt(root / 'mixer.pt', data), make_ckpt(root / 'llama.pt', data, arch='llama')
-
-
-@pytest.fixture(scope='module')
-def autoencoder(corpus):
-    return make_ckpt(corpus[0] / 'ae.pt', corpus[1], objective='autoencoder')
+    return types.SimpleNamespace(root=root, data=data, mixer=make_ckpt(root / 'mixer.pt', data),
+                                 llama=make_ckpt(root / 'llama.pt', data, arch='llama'),
+                                 ae=make_ckpt(root / 'ae.pt', data, objective='autoencoder'))
 
 
 def unit(*shape, seed=0):
@@ -1307,9 +1272,8 @@ def unit(*shape, seed=0):
 
 
 def test_info_nce_is_eq7():
-    """-log f(q, t+) / (f(q, t+) + sum f(q, t-)) with f = exp(cos / tau) (eq. 8), by hand: over the
-    in-batch targets, over the paper's groups of 31 candidates (the match at its label), and
-    symmetric (the mean with the target-to-query direction), also for a row shard of the queries."""
+    """-log f(q, t+) / (f(q, t+) + sum f(q, t-)), f = exp(cos / tau) (eq. 8), by hand: over in-batch targets,
+    over groups of 31 candidates, and symmetric (mean with target-to-query), also for a row shard."""
     tau, f = 0.02, lambda a, b: math.exp(float(a @ b / (a.norm() * b.norm())) / 0.02)  # noqa: E731
     q, t = unit(6, 16, seed=1), unit(6, 16, seed=2)
     by_hand = [-math.log(f(q[i], t[i]) / sum(f(q[i], t[j]) for j in range(6))) for i in range(6)]
@@ -1327,10 +1291,9 @@ def test_info_nce_is_eq7():
 
 @pytest.mark.parametrize('negatives', ['inbatch', 'paper'])
 def test_info_nce_of_row_shards_averages_to_the_batch(corpus, negatives):
-    """A row shard keeps its queries and every in-batch target, so the micro-batch loss is the mean
-    of the shard losses (what lets DDP split one retrieval batch)."""
-    tok = Tokenizer.from_dir(str(corpus[1]))
-    get = retrieve.PairBatches(dict(train.LOOP_DEFAULTS, data_dir=str(corpus[1]), negatives=negatives, batch_size=4),
+    """A row shard keeps its queries and every in-batch target: the shard losses average to the batch's."""
+    tok = Tokenizer.from_dir(str(corpus.data))
+    get = retrieve.PairBatches(dict(train.LOOP_DEFAULTS, data_dir=str(corpus.data), negatives=negatives, batch_size=4),
                                tok, 32)
     emb = torch.nn.Embedding(tok.vocab_size, 8)
 
@@ -1397,7 +1360,8 @@ def chi2(labels, k):
     return float(((counts - len(labels) / k) ** 2 / (len(labels) / k)).sum())
 
 
-def test_paper_sampler_never_repeats_the_match_and_places_it_uniformly():
+def test_samplers_place_the_match_once_uniformly_among_distinct_negatives():
+    """The paper's candidates; Algorithm 1's: the query first, then c-1 targets, c-2 of them non-matching."""
     gen, n_pool, k, draws = torch.Generator().manual_seed(0), 50, 8, 4000
     match = torch.randint(0, n_pool, (draws,), generator=gen)
     cands, labels = retrieve.sample_candidates(match, n_pool, k, gen)
@@ -1408,10 +1372,6 @@ def test_paper_sampler_never_repeats_the_match_and_places_it_uniformly():
     negs = cands[torch.arange(k)[None] != labels[:, None]]
     freq = torch.bincount(negs, minlength=n_pool).double() / len(negs)   # negatives spread over the pool
     assert freq.min() > 0.5 / n_pool and freq.max() < 1.5 / n_pool
-
-
-def test_indirect_sampler_follows_algorithm1():
-    """The query first, then c-1 targets: the match at a uniform slot, c-2 distinct non-matching others."""
     q, t, c = unit(40, 8, seed=7), unit(40, 8, seed=8), 6
     gen = torch.Generator().manual_seed(0)
     match = torch.randint(0, 40, (3000,), generator=gen)
@@ -1426,8 +1386,8 @@ def test_indirect_sampler_follows_algorithm1():
 def test_pair_batches_layout(corpus):
     """paper: B queries then B groups of 31 candidates, the match at its label; inbatch: B + B rows.
     Left padding; a pure function of its arguments."""
-    tok = Tokenizer.from_dir(str(corpus[1]))
-    cfg = dict(train.LOOP_DEFAULTS, data_dir=str(corpus[1]), negatives='paper', batch_size=2)
+    tok = Tokenizer.from_dir(str(corpus.data))
+    cfg = dict(train.LOOP_DEFAULTS, data_dir=str(corpus.data), negatives='paper', batch_size=2)
     batches = retrieve.PairBatches(cfg, tok, 32)
     idx, mask, labels = batches('train', 5, 0)
     assert idx.shape == (2 + 2 * 31, 32) and labels.shape == (2,) and torch.equal(idx, batches('train', 5, 0)[0])
@@ -1440,19 +1400,19 @@ def test_pair_batches_layout(corpus):
     assert idx.shape == (8, 32) and torch.equal(labels, torch.arange(4))
 
 
-def test_eval_identical_texts_is_100_percent_and_n_is_capped(corpus, autoencoder, capsys, tmp_path):
+def test_eval_identical_texts_is_100_percent_and_n_is_capped(corpus, capsys, tmp_path):
     """Untrained but deterministic encoders find a target identical to its query at every n; n
     past the pair count is capped at it + 1 (the query and every target), announced."""
     write_pairs(tmp_path / 'same.jsonl', [(t, t) for _, t in (pair_texts(random.Random(1), i) for i in range(40))])
-    for ckpt in (corpus[2], corpus[3], autoencoder):
+    for ckpt in (corpus.mixer, corpus.llama, corpus.ae):
         code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={ckpt}', f'--pairs={tmp_path}/same.jsonl',
                                   '--n=8,16,32', f'--json={tmp_path}/m.json')
         m = json.loads((tmp_path / 'm.json').read_text())
         assert code == 0 and set(m) == {'top1', 'mrr@10', 'recall@k', 'n_pairs'} and m['n_pairs'] == 40
         assert m['top1'] == {'8': 100.0, '16': 100.0, '32': 100.0} and m['mrr@10'] == 1.0
         assert m['recall@k'] == {'1': 100.0, '5': 100.0, '10': 100.0}
-    code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={corpus[2]}', f'--pairs={corpus[1]}/pairs_val.jsonl',
-                              '--n=16,64,128', f'--json={tmp_path}/m.json')
+    code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={corpus.mixer}',
+                              f'--pairs={corpus.data}/pairs_val.jsonl', '--n=16,64,128', f'--json={tmp_path}/m.json')
     assert code == 0 and '49' in without_paths(err)
     assert list(json.loads((tmp_path / 'm.json').read_text())['top1']) == ['16', '49']
 
@@ -1480,11 +1440,11 @@ class FakeSentenceTransformer:
 
 def test_eval_peer_scores_a_sentence_transformer_on_the_same_pairs(corpus, capsys, tmp_path, monkeypatch):
     """--peer scores a sentence-transformers model by the same metric on the same pairs, beside the checkpoint."""
-    pairs = corpus[1] / 'pairs_val.jsonl'
+    pairs = corpus.data / 'pairs_val.jsonl'
     fake = types.SimpleNamespace(SentenceTransformer=FakeSentenceTransformer)
     monkeypatch.setitem(sys.modules, 'sentence_transformers', fake)
-    code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={corpus[2]}', '--peer=fake-peer', f'--pairs={pairs}',
-                              '--n=8,16', f'--json={tmp_path}/m.json')
+    code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={corpus.mixer}', '--peer=fake-peer',
+                              f'--pairs={pairs}', '--n=8,16', f'--json={tmp_path}/m.json')
     assert code == 0, err
     m = json.loads((tmp_path / 'm.json').read_text())
     peer = FakeSentenceTransformer('fake-peer')
@@ -1514,7 +1474,7 @@ def test_retrieval_mixer_learns_algorithm1_inputs():
 
 
 def test_indirect_trains_and_reports(corpus, capsys, tmp_path):
-    code, out, err = run_main(capsys, 'retrieve', 'indirect', f'--ckpt={corpus[2]}', f'--data_dir={corpus[1]}',
+    code, out, err = run_main(capsys, 'retrieve', 'indirect', f'--ckpt={corpus.mixer}', f'--data_dir={corpus.data}',
                               f'--out_dir={tmp_path}/ind', '--c=4,8', '--n_layers=1', '--max_iters=6',
                               '--eval_interval=6', '--eval_iters=1', '--batch_size=16', f'--json={tmp_path}/ind.json')
     assert code == 0, err
@@ -1522,13 +1482,13 @@ def test_indirect_trains_and_reports(corpus, capsys, tmp_path):
     assert set(res) == {'4', '8'} and all(0 <= r['top1'] <= 100 and r['loss'] > 0 for r in res.values())
     ckpt = train.load_checkpoint(tmp_path / 'ind/c8/ckpt.pt')
     assert ckpt['kind'] == 'indirect' and ckpt['retrieval_mixer'] == dict(d_model=32, n_layers=1, c=8)
-    assert ckpt['embedder']['ckpt'] == os.path.abspath(corpus[2])
+    assert ckpt['embedder']['ckpt'] == os.path.abspath(corpus.mixer)
 
 
 def test_index_and_search(corpus, capsys, tmp_path):
     """A document's own text finds it first, at cosine 1 (binary files skipped). An index answers only
     queries embedded by its own weights, and no empty ones; --overwrite rebuilds it for other weights."""
-    _, data, mixer, llama = corpus
+    data, mixer, llama = corpus.data, corpus.mixer, corpus.llama
     rng, index = random.Random(2), tmp_path / 'index'
     texts = [''.join(pair_texts(rng, 100 + i)) for i in range(12)]
     (tmp_path / 'docs').mkdir()
@@ -1558,7 +1518,7 @@ def test_index_and_search(corpus, capsys, tmp_path):
 def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     """60 InfoNCE steps from an untrained LM beat chance 3x; the lm head stays frozen; the result is
     an ordinary model checkpoint, and --init_from=resume continues it."""
-    _, data, mixer, _ = corpus
+    data, mixer = corpus.data, corpus.mixer
     out_dir = tmp_path / 'ret'
     common = [f'--data_dir={data}', f'--out_dir={out_dir}', '--batch_size=16', '--lr=2e-3', '--warmup_iters=2',
               '--eval_interval=20', '--eval_iters=3', '--log_interval=10', '--dtype=float32']
@@ -1580,9 +1540,8 @@ def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
 
 
 def test_retrieval_ddp_row_shards_equal_one_process(corpus, capsys, tmp_path):
-    """torchrun with retrieve.py train's defaults (grad_accum=1): each rank embeds half the queries
-    and every in-batch target, and the step equals the one-process step."""
-    common = ['train', f'--init_from={corpus[2]}', f'--data_dir={corpus[1]}', '--batch_size=8', '--lr=2e-3',
+    """torchrun, grad_accum=1: each rank embeds half the queries and every target; the step is one process's."""
+    common = ['train', f'--init_from={corpus.mixer}', f'--data_dir={corpus.data}', '--batch_size=8', '--lr=2e-3',
               '--max_iters=1', '--eval_interval=1', '--eval_iters=1', '--dtype=float32']
     torchrun('retrieve.py', [*common, f'--out_dir={tmp_path}/ddp'])
     assert run_main(capsys, 'retrieve', *common, f'--out_dir={tmp_path}/one')[0] == 0
@@ -1593,17 +1552,17 @@ def test_retrieval_ddp_row_shards_equal_one_process(corpus, capsys, tmp_path):
         torch.testing.assert_close(v, b['model'][k], rtol=0, atol=0.5 * 2e-3 / 21)
 
 
-def test_train_paper_negatives_and_autoencoder_encoder(corpus, autoencoder, capsys, tmp_path):
+def test_train_paper_negatives_and_autoencoder_encoder(corpus, capsys, tmp_path):
     """Paper negatives with grad_accum train a llama; an autoencoder trains its encoder only."""
-    for ckpt, extra in ((corpus[3], ['--negatives=paper', '--batch_size=1', '--grad_accum=2']), (autoencoder, [])):
+    for ckpt, extra in ((corpus.llama, ['--negatives=paper', '--batch_size=1', '--grad_accum=2']), (corpus.ae, [])):
         out_dir = tmp_path / os.path.basename(ckpt)
-        code, out, err = run_main(capsys, 'retrieve', 'train', f'--init_from={ckpt}', f'--data_dir={corpus[1]}',
+        code, out, err = run_main(capsys, 'retrieve', 'train', f'--init_from={ckpt}', f'--data_dir={corpus.data}',
                                   f'--out_dir={out_dir}', '--max_iters=2', '--eval_interval=2', '--eval_iters=1',
                                   *extra)
         assert code == 0, err
         before, after = torch.load(ckpt, weights_only=True)['model'], train.load_checkpoint(out_dir / 'ckpt.pt')
         changed = {k for k in before if not torch.equal(before[k], after['model'][k])}
-        if ckpt == autoencoder:
+        if ckpt == corpus.ae:
             assert changed and all(k.startswith('encoder.') for k in changed)
         else:
             assert after['config']['negatives'] == 'paper' and 'backbone.wte.weight' in changed
@@ -1627,7 +1586,7 @@ def test_bench_throughput_rows_and_mfu(tmp_path):
 
 def test_bench_retrieval_times_full_and_trimmed_steps(corpus):
     rows = bench.main(['retrieval', '--archs=mixer,llama', '--d_model=32', '--n_layers=1', '--n_ctx=32',
-                       '--batch_size=4', '--dtype=float32', f'--data_dir={corpus[1]}', '--warmup=1', '--repeats=1'])
+                       '--batch_size=4', '--dtype=float32', f'--data_dir={corpus.data}', '--warmup=1', '--repeats=1'])
     assert [(r['arch'], r['padding']) for r in rows] == [('mixer', 'full'), ('mixer', 'trimmed'),
                                                          ('llama', 'full'), ('llama', 'trimmed')]
     assert all(r['ms_per_step'] > 0 and 0 < r['real_tokens'] < 1 for r in rows)
@@ -1698,9 +1657,8 @@ class ConstantBlock(nn.Module):
 
 
 def test_bench_represent_recovers_what_reaches_the_layer():
-    """Zeroed blocks are identities (x + 0), so O_l(e) = e: every token comes back (from the last
-    position alone, nothing of the others does). A constant block passes nothing: tokens come back at
-    chance, 1 - 1/vocab. Pad positions are not counted (eq. 6)."""
+    """Zeroed blocks are identities, so O_l(e) = e: every token comes back (from the last position alone,
+    none of the others). A constant block passes nothing: chance, 1 - 1/vocab. Pads are not counted (eq. 6)."""
     model = bench_mixer()
     with torch.no_grad():
         for p in model.backbone.blocks.parameters():
@@ -1767,6 +1725,7 @@ TRAIN = ['--data_dir={data}', '--out_dir={tmp}/out', *TINY]
 SAMPLE = ['--out_dir={trained}']
 EVAL = ['eval', '--ckpt={mixer}', '--pairs={pairs}/pairs_val.jsonl']
 OUT = '--out_dir={tmp}/out'
+RESUME = ['--data_dir={data}', '--out_dir={trained}', *TINY, '--init_from=resume']
 
 # (script, argv, culprit). Placeholders: {tmp} (the files of scratch() below), {data} (train's data),
 # {trained} (a finished run), {mixer} and {ae} (retrieve's checkpoints), {pairs} (retrieve's data)
@@ -1776,41 +1735,34 @@ REFUSALS = [
     *[('train', [*TRAIN, f'--{k}={v}'], k) for k, v in [
         ('max_iters', -1), ('eval_interval', 0), ('log_interval', 0), ('grad_accum', 0), ('eval_iters', 0),
         ('batch_size', 0), ('lr', 'nan'), ('min_lr', 1), ('n_ctx', 1), ('seed', -1)]],
-    ('train', [*TRAIN, '--device=gpu0'], 'gpu0'),
-    ('train', [*TRAIN, '--dtype=float16', '--device=cpu'], 'float16'),
+    ('train', [*TRAIN, '--device=gpu0'], 'gpu0'), ('train', [*TRAIN, '--dtype=float16', '--device=cpu'], 'float16'),
     *[('sample', [*SAMPLE, f'--{k}={v}'], k) for k, v in [
         ('temperature', -1), ('temperature', 'nan'), ('temperature', 1e-45), ('top_k', 0), ('top_p', 0),
         ('top_p', 1.5), ('num_samples', 0)]],
     *[('sample', [*SAMPLE, arg], arg.split('=')[1]) for arg in ['--method=beam', '--dtype=int8', '--device=tpu9']],
-    ('sample', [*SAMPLE, '--bogus=1'], 'bogus'),
-    ('prepare', ['wikipedia', OUT], 'wikipedia'),
-    ('prepare', ['pystdlib', '--max_docs=zero', OUT], 'max_docs'),
-    ('prepare', ['pystdlib', '--bogus=1', OUT], 'bogus'),
+    ('sample', [*SAMPLE, '--bogus=1'], 'bogus'), ('prepare', ['wikipedia', OUT], 'wikipedia'),
+    ('prepare', ['pystdlib', '--max_docs=zero', OUT], 'max_docs'), ('prepare', ['pystdlib', '--bogus=1', OUT], 'bogus'),
     ('prepare', ['pystdlib', '--tokenizer=p50k_nope', OUT], 'p50k_nope'),
     ('prepare', ['tinystories', '--pairs=docstring', OUT], 'docstring'),
     ('prepare', ['text', '--input={tmp}/latin1.txt', '--vocab_size=1', OUT], 'vocab_size'),
     ('prepare', ['text', '--input={tmp}/ascii.txt', '--vocab_size=262', OUT], 'vocab_size'),  # < its 94 characters
-    ('retrieve', ['frobnicate'], 'frobnicate'),
-    ('retrieve', [*EVAL, '--n=1x'], '1x'),
+    ('retrieve', ['frobnicate'], 'frobnicate'), ('retrieve', [*EVAL, '--n=1x'], '1x'),
     ('retrieve', [*EVAL, '--n=2,32'], '2,32'),
     ('retrieve', ['eval', '--ckpt={tmp}/x.pt', '--pairs={tmp}/y.jsonl', '--batch_size=0'], 'batch_size'),
     ('retrieve', ['indirect', '--ckpt={mixer}', '--data_dir={pairs}', '--c=2'], 'c='),
     ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--negatives=hard'], 'hard'),
     ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--batch_sise=4'], 'batch_sise'),
     ('retrieve', ['train', '--init_from={tmp}/x.pt', '--warmup_iters=-2'], 'warmup_iters'),
-    ('bench', ['sideways'], 'sideways'),
-    ('bench', ['throughput', '--n_ctx=abc'], 'n_ctx'),
+    ('bench', ['sideways'], 'sideways'), ('bench', ['throughput', '--n_ctx=abc'], 'n_ctx'),
     ('bench', ['throughput', '--batch_size=1,16'], 'batch_size'),                # a list only in generate
-    ('bench', ['throughput', '--archs=rnn'], 'rnn'),
-    ('bench', ['throughput', *BENCH_TINY, '--repeats=0'], 'repeats'),
+    ('bench', ['throughput', '--archs=rnn'], 'rnn'), ('bench', ['throughput', *BENCH_TINY, '--repeats=0'], 'repeats'),
     ('bench', ['generate', *BENCH_TINY, '--new_tokens=0'], 'new_tokens'),
     ('bench', ['generate', *BENCH_TINY, '--prompt=2', '--new_tokens=2', '--methods=beam'], 'beam'),
     ('bench', ['generate', *BENCH_TINY, '--prompt=12', '--new_tokens=8'], 'n_ctx'),
     ('bench', ['represent', *BENCH_TINY, '--layer=last'], 'layer'),
     ('bench', ['represent', '--ckpt={trained}/ckpt.pt', '--layer=3'], 'layer'),
     # a required flag missing, or two that exclude each other
-    ('prepare', ['text', OUT], 'input'),
-    ('retrieve', [*EVAL[:2]], 'pairs'),
+    ('prepare', ['text', OUT], 'input'), ('retrieve', [*EVAL[:2]], 'pairs'),
     ('retrieve', ['eval', '--pairs={pairs}/pairs_val.jsonl'], 'ckpt'),
     ('retrieve', ['train', '--data_dir={pairs}'], 'init_from'),
     ('sample', [*SAMPLE, '--ckpt={trained}/ckpt.pt'], 'ckpt'),
@@ -1819,10 +1771,8 @@ REFUSALS = [
     ('train', ['--data_dir={data}', '--out_dir={tmp}/none', '--init_from=resume'], '{tmp}/none'),
     ('train', ['{tmp}/notpreset.py'], 'notpreset.py'),                   # a preset holds assignments only
     ('train', ['--out_dir={trained}', '{tmp}/latin1.txt'], 'latin1.txt'),
-    ('sample', ['--out_dir={tmp}/none'], '{tmp}/none'),
-    ('sample', ['--ckpt={tmp}/truncated.pt'], 'truncated.pt'),
-    ('sample', ['--ckpt={tmp}/retrieval.pt'], 'retrieval'),
-    ('sample', ['--ckpt={ae}'], 'autoencoder'),
+    ('sample', ['--out_dir={tmp}/none'], '{tmp}/none'), ('sample', ['--ckpt={tmp}/cut/ckpt.pt'], '{tmp}/cut/ckpt.pt'),
+    ('sample', ['--ckpt={tmp}/retrieval.pt'], 'retrieval'), ('sample', ['--ckpt={ae}'], 'autoencoder'),
     ('sample', ['--ckpt={tmp}/n1.pt'], 'n_ctx=1'),
     ('sample', [*SAMPLE, '--prompt=FILE:/nonexistent/p.txt'], '/nonexistent/p.txt'),
     ('sample', [*SAMPLE, '--prompt=FILE:{tmp}/latin1.txt'], 'latin1.txt'),
@@ -1840,6 +1790,14 @@ REFUSALS = [
     ('bench', ['retrieval', '--data_dir=/nonexistent'], '/nonexistent'),
     ('bench', ['represent', '--ckpt={tmp}/nope.pt'], 'nope.pt'),
     ('bench', ['represent', '--ckpt={trained}/ckpt.pt', '--data_dir={tmp}'], 'val.bin'),
+    # a resume that cannot continue: another architecture or n_ctx, a truncated checkpoint
+    *[('train', [*RESUME, arg], arg[2:].split('=')[0]) for arg in ['--arch=llama', '--n_ctx=16']],
+    ('train', ['--data_dir={data}', '--out_dir={tmp}/cut', *TINY, '--init_from=resume'], 'ckpt.pt'),
+    # a finished run, replaced only when asked: the refusal names the flag that continues or replaces it
+    ('train', ['--data_dir={data}', '--out_dir={trained}', *TINY], '--init_from=resume'),
+    ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--out_dir={tmp}/run'], '--overwrite'),
+    ('retrieve', ['indirect', '--ckpt={mixer}', '--data_dir={pairs}', '--out_dir={tmp}/run', '--c=4'], '--overwrite'),
+    ('retrieve', ['index', '--ckpt={mixer}', '--docs={pairs}/pairs_val.jsonl', '--index={tmp}/run'], '--overwrite'),
     # output locations, checked before the work that fills them ({tmp}/file is a file)
     ('train', ['--data_dir={data}', '--out_dir={tmp}/file/out', *TINY], '{tmp}/file'),
     ('prepare', ['pystdlib', '--out_dir={tmp}/file'], '{tmp}/file'),
@@ -1856,32 +1814,33 @@ def scratch(tmp_path, data_dir):
                           ('latin1.txt', 'déjà vu, naïve café\n'.encode('latin-1')),
                           ('latin1.jsonl', '{"query": "café", "target": "naïve"}\n'.encode('latin-1') * 3),
                           ('ascii.txt', bytes(range(33, 127)) * 20),
-                          ('bad.jsonl', b'{"query": "a", "target": "b"}\n' * 2 + b'{"query": oops}\n')]:
+                          ('bad.jsonl', b'{"query": "a", "target": "b"}\n' * 2 + b'{"query": oops}\n'),
+                          ('run/ckpt.pt', b'a long run'), ('run/log.jsonl', b'{"step": 1}\n'),
+                          ('run/manifest.json', b'{}'), ('run/c4/ckpt.pt', b'a long run')]:
+        (tmp_path / name).parent.mkdir(exist_ok=True, parents=True)
         (tmp_path / name).write_bytes(content)
     (tmp_path / 'empty').mkdir()
     buf = io.BytesIO()
     torch.save({'model': {'w': torch.zeros(1000)}}, buf)
-    (tmp_path / 'truncated.pt').write_bytes(buf.getvalue()[:1000])     # as a kill -9 during a save leaves it
+    (tmp_path / 'cut').mkdir()
+    (tmp_path / 'cut/ckpt.pt').write_bytes(buf.getvalue()[:1000])     # as a kill -9 during a save leaves it
     for kind in ('indirect', 'retrieval'):
         train.save_checkpoint({'kind': kind, 'model': {}}, str(tmp_path / f'{kind}.pt'))
     make_ckpt(tmp_path / 'n1.pt', data_dir, n_ctx=1)
 
 
 @pytest.mark.parametrize('script,argv,culprit', REFUSALS, ids=[f'{s}:{c}' for s, _, c in REFUSALS])
-def test_refusal(script, argv, culprit, request, tmp_path, capsys):
-    corpus = request.getfixturevalue('corpus')
-    scratch(tmp_path, corpus[1])
-    keep = [tmp_path, corpus[0]]
+def test_refusal(script, argv, culprit, corpus, request, tmp_path, capsys):
+    scratch(tmp_path, corpus.data)
+    keep = [tmp_path, corpus.root]
 
-    def fill(text):
-        def value(m):
-            if m[1] in ('data', 'trained'):   # their folders are kept too: train's corpus, the finished run
-                path = str(request.getfixturevalue(m[1]))
-                keep.append(os.path.dirname(path) if m[1] == 'data' else path)
-                return path
-            fixed = {'tmp': tmp_path, 'mixer': corpus[2], 'pairs': corpus[1]}
-            return str(fixed[m[1]] if m[1] in fixed else request.getfixturevalue('autoencoder'))
-        return re.sub(r'\{(\w+)\}', value, str(text))
+    def value(m):
+        if m[1] in ('data', 'trained'):   # their folders are kept too: train's corpus, the finished run
+            path = str(request.getfixturevalue(m[1]))
+            keep.append(os.path.dirname(path) if m[1] == 'data' else path)
+            return path
+        return str({'tmp': tmp_path, 'mixer': corpus.mixer, 'pairs': corpus.data, 'ae': corpus.ae}[m[1]])
+    fill = lambda text: re.sub(r'\{(\w+)\}', value, str(text))  # noqa: E731
     refused(capsys, script, [fill(a) for a in argv], fill(culprit), keep=keep)
     assert script != 'train' or not (tmp_path / 'out').exists()       # train makes no out_dir either
 
@@ -1893,38 +1852,9 @@ def test_help(script, words, capsys):
     assert code == 0 and all(w in out for w in words), out
 
 
-def test_resume_refuses_what_it_cannot_continue(data, tmp_path, capsys, monkeypatch):
-    """A resume with another architecture or n_ctx, or from a truncated checkpoint, is refused and the
-    checkpoint left as it is; so is a batch that 2 processes cannot share (checked before any process group)."""
-    out = tmp_path / 'o'
-    assert train_run(data, out, '--max_iters=5', '--eval_interval=5') == 0
-    resume = [f'--data_dir={data}', f'--out_dir={out}', *TINY, '--init_from=resume']
-    refused(capsys, 'train', [*resume, '--arch=llama'], 'arch', keep=[out])
-    refused(capsys, 'train', [*resume, '--n_ctx=16'], 'n_ctx', keep=[out])
-    (out / 'ckpt.pt').write_bytes((out / 'ckpt.pt').read_bytes()[:1000])
-    refused(capsys, 'train', [*resume, '--max_iters=10'], 'ckpt.pt', keep=[out])
+def test_a_batch_two_processes_cannot_share_is_refused_before_any_process_group(data, capsys, monkeypatch):
     monkeypatch.setenv('WORLD_SIZE', '2')
     refused(capsys, 'train', [f'--data_dir={data}', '--batch_size=3'], 'batch_size')
-
-
-@pytest.mark.parametrize('case', ['train', 'retrieve train', 'retrieve indirect', 'retrieve index'])
-def test_a_finished_run_is_never_replaced_unasked(case, data, trained, corpus, capsys, tmp_path):
-    """The refusal names the flag that continues (--init_from=resume) or replaces (--overwrite) the run."""
-    _, pairs, mixer, _ = corpus
-    run = tmp_path / ('c4' if case == 'retrieve indirect' else 'run')  # indirect writes out_dir/c{c}
-    run.mkdir()
-    (run / 'ckpt.pt').write_bytes(b'a long run')
-    (run / 'log.jsonl').write_text('{"step": 1}\n')
-    (run / 'manifest.json').write_text('{}')
-    argv, culprit = {
-        'train': ([f'--data_dir={data}', f'--out_dir={trained}', *TINY], '--init_from=resume'),
-        'retrieve train': (['train', f'--init_from={mixer}', f'--data_dir={pairs}', f'--out_dir={run}'], '--overwrite'),
-        'retrieve indirect': (['indirect', f'--ckpt={mixer}', f'--data_dir={pairs}', f'--out_dir={tmp_path}', '--c=4'],
-                              '--overwrite'),
-        'retrieve index': (['index', f'--ckpt={mixer}', f'--docs={pairs}/pairs_val.jsonl', f'--index={run}'],
-                           '--overwrite'),
-    }[case]
-    refused(capsys, case.split()[0], argv, culprit, keep=[trained if case == 'train' else run])
 
 
 def test_overwrite_starts_the_run_afresh(data, tmp_path, capsys):
