@@ -548,8 +548,7 @@ class ELiTAAttention(nn.Module):
         y_i = (e^{K2 x_i} V x_i + e^{c.p2_i + K3 x_i} sum_{j<=i} e^{K1 x_j + c.p1_j} V x_j)
               / (e^{K2 x_i} + e^{c.p2_i + K3 x_i} sum_{j<=i} e^{K1 x_j + c.p1_j})
     The running sums are kept relative to a running maximum (blockwise, exact and causal), and
-    the same scan with one position per block is the O(1)-state recurrent decoder.
-    """
+    the same scan with one position per block is the O(1)-state recurrent decoder."""
 
     def __init__(self, cfg):
         super().__init__()
