@@ -109,11 +109,7 @@ class Context:
 def allowed_positions(direction, rows, cols, row0, device):
     """Bool (rows, cols): may output position row0 + i read input position j?"""
     ones = torch.ones(rows, cols, dtype=torch.bool, device=device)
-    if direction == 'causal':
-        return ones.tril(row0)           # j <= t: the triangular mask that makes mixing causal
-    if direction == 'reverse':
-        return ones.triu(row0 + 2)       # j >= t + 2: bidirectional LM's reverse stream
-    return ones
+    return {'causal': ones.tril(row0), 'reverse': ones.triu(row0 + 2)}.get(direction, ones)  # j <= t; j >= t + 2
 
 
 class Mixing(nn.Module):
@@ -155,16 +151,12 @@ class Mixing(nn.Module):
         w, b = self.matrix(row0, rows, x.shape[2]), self.bias[..., row0:row0 + rows, :]  # (P, H, k, R, T), (P, H, R, 1)
         if self.kernel == 1 and len(w) == 1:  # the flat mixer, per head:
             return w[0, :, 0] @ x + b[0]      # out = tril(W) @ x + b
-        if self.kernel > 1:  # grouped Conv1d: positions are channels, the kernel slides along c ('same' size)
+        if self.kernel == 1:  # each parallel mixing m (H, 1, R, T), bias (H, R, 1)
+            ys = [m[:, 0] @ x + bias for m, bias in zip(w, b)]
+        else:  # grouped Conv1d: positions are channels, the kernel slides along c ('same' size)
             x = F.pad(rearrange(x, 'b h s c -> b (h s) c'), ((self.kernel - 1) // 2, self.kernel // 2))
-        ys = []
-        for m, bias in zip(w, b):  # each parallel mixing: (H, k, R, T), (H, R, 1)
-            if self.kernel == 1:
-                y = m[:, 0] @ x
-            else:
-                y = F.conv1d(x, rearrange(m, 'h k r s -> (h r) s k'), groups=self.heads)
-                y = rearrange(y, 'b (h r) c -> b h r c', h=self.heads)
-            ys.append(y + bias)
+            ys = [rearrange(F.conv1d(x, rearrange(m, 'h k r s -> (h r) s k'), groups=self.heads),
+                            'b (h r) c -> b h r c', h=self.heads) + bias for m, bias in zip(w, b)]
         return ys[0] if len(ys) == 1 else sum(F.gelu(y) for y in ys)
 
     def forward(self, x, ctx, t_new):
@@ -204,14 +196,6 @@ class Mixing(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
-def split_heads(x, heads):  # (B, T, H * c) -> (B, H, T, c), a view (einops costs ~20 us a call)
-    return x.reshape(*x.shape[:-1], heads, -1).transpose(1, 2)
-
-
-def merge_heads(x):  # (B, H, T, c) -> (B, T, H * c)
-    return x.transpose(1, 2).flatten(2)
-
-
 class TokenMixing(nn.Module):
     """The masked mixer's replacement for attention: flat, expanded, parallel or multi-head."""
 
@@ -224,19 +208,16 @@ class TokenMixing(nn.Module):
         # fig S6: per-head input projections, a mixing per head, concat, output projection
         self.proj_in = nn.Linear(d, d) if self.heads > 1 else nn.Identity()
         self.proj_out = nn.Linear(d, d) if self.heads > 1 else nn.Identity()
-        if cfg.expansion:  # the original MLP-mixer shape: n -> e*n -> n, both rectangular-tril masked
-            m = int(cfg.expansion * n)
-            self.mix, self.mix2 = Mixing(m, n, **kw), Mixing(n, m, **kw)
-        else:
-            self.mix, self.mix2 = Mixing(n, n, **kw), None
+        m = int(cfg.expansion * n) if cfg.expansion else n  # expanded: the MLP-mixer's n -> e*n -> n, both tril
+        self.mix = Mixing(m, n, **kw)
+        self.mix2 = Mixing(n, m, **kw) if cfg.expansion else None
 
     def forward(self, x, ctx):  # (B, T, d) -> (B, T, d)
-        x = split_heads(self.proj_in(x), self.heads)               # (B, H, T, c)
-        t_new = x.shape[2]
-        x = self.mix(x, ctx, t_new)
+        t_new = x.shape[1]  # (B, T, H * c) -> (B, H, T, c) as a view (einops costs ~20 us a call)
+        x = self.mix(self.proj_in(x).reshape(*x.shape[:-1], self.heads, -1).transpose(1, 2), ctx, t_new)
         if self.mix2 is not None:  # e > 1: hidden rows >= n_ctx are never read under the mask
             x = self.mix2(F.gelu(x), ctx, t_new)
-        return self.proj_out(merge_heads(x))
+        return self.proj_out(x.transpose(1, 2).flatten(2))
 
 
 # ----------------------------------------------------------------------------- blocks and the language model
@@ -292,7 +273,7 @@ class Backbone(nn.Module):
 
     def __init__(self, cfg, direction='causal', embed=True):
         super().__init__()
-        self.cfg, self.direction = cfg, direction
+        self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model) if embed else None
         self.wpe = nn.Embedding(cfg.n_ctx, cfg.d_model) if cfg.pos_emb else None
         self.blocks = nn.ModuleList(Block(cfg, direction) for _ in range(cfg.n_layers))
@@ -328,11 +309,10 @@ class Backbone(nn.Module):
         return torch.cat((x[..., :-1], centred), dim=-1)
 
     def hidden(self, idx, mask=None, keep=None):
-        """Hidden states (B, T, d) of idx (B, T), or with keep only the last `keep` of them, exactly and
-        without spending rows on the first T - keep columns, which must be the same padding in every row.
-        Causal mixers: a pad-only position reads only pads, so one batch-1 pass computes those states for
-        every row (gradients reach them through every row). Llama: pad keys are masked and RoPE sees only
-        relative positions, so pad columns are dropped. The other archs (see trims) run the full window."""
+        """Hidden states (B, T, d) of idx (B, T), or only the last `keep`, exactly and without spending rows on
+        the first T - keep columns, which must be the same padding in every row. Causal mixers: pad-only
+        positions read only pads, so one batch-1 pass computes them for every row. Llama: pad keys are masked
+        and RoPE sees only relative positions, so pad columns are dropped. Other archs run the full window."""
         cut = 0 if keep is None else idx.shape[1] - keep
         if cut <= 0 or not self.trims or (mask is None and self.cfg.arch == 'llama'):
             return self(idx, Context(mask=mask))[:, max(cut, 0):]
@@ -403,13 +383,12 @@ class LanguageModel(nn.Module):
     @torch.no_grad()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                method='cache', generator=None, compile=False):
-        """Yield (token (B,), logits (B, vocab)) for each new token.
-        method='window' is the paper's generation (§4.2): each new token is written at the next position
-        of the n_ctx window and the whole window runs again, O(n^3 d) per window for a mixer. method='cache'
-        keeps what each position contributed (mixer inputs, keys/values, ELiTA's running sums) and runs
-        only the new position, O(n^2 d), the same numbers up to float rounding. A full window slides alike
-        in both: its last n_ctx/2 tokens are re-encoded at the window start. compile=True runs the cached
-        steps through torch.compile, one dynamic-shape graph for every position (seconds to a minute once)."""
+        """Yield (token (B,), logits (B, vocab)) for each new token. method='window' is the paper's generation
+        (§4.2): the whole n_ctx window runs again for each token, O(n^3 d) per window for a mixer. method='cache'
+        keeps what each position contributed (mixer inputs, keys/values, ELiTA's running sums) and runs only the
+        new position, O(n^2 d), the same numbers up to float rounding. A full window slides alike in both: its
+        last n_ctx/2 tokens are re-encoded at the window start. compile=True runs the cached steps through
+        torch.compile, one dynamic-shape graph for every position (seconds to a minute once)."""
         cfg = self.cfg
         if cfg.objective == 'half' or not cfg.causal:
             raise ValueError("generation needs a causal next-token model (objective clm or mtp2)")
@@ -462,24 +441,19 @@ class LanguageModel(nn.Module):
 
 # ----------------------------------------------------------------------------- baselines: llama and GPT-1
 
-def attention_mask(direction, pos, t, s, key_mask, device):
-    """(attn_mask, is_causal) for SDPA: queries at [pos, pos+t), keys at [0, s)."""
-    if key_mask is None and direction == 'none':
-        return None, False
-    if key_mask is None and direction == 'causal' and (t == s or t == 1):
-        return None, t > 1
-    q = torch.arange(pos, pos + t, device=device)[:, None]
-    k = torch.arange(s, device=device)[None, :]
-    allowed = {'causal': k <= q, 'reverse': (k >= q + 2) | (k == q), 'none': k >= 0}[direction]
-    if key_mask is not None:  # padding keys are never read, but a query may always read itself,
-        allowed = allowed & (key_mask[:, None, None, :] | (k == q))  # so no row is empty (no NaN)
-    return allowed, False
-
-
-def attend(q, k, v, mask, is_causal):
-    """softmax(q k^T / sqrt(d) + mask) v for (B, H, T, d) q and (B, H, S, d) k, v. On GPU: SDPA's
-    flash / memory-efficient kernels. On CPU the plain bf16 matmuls are ~2x faster than SDPA's
-    CPU flash kernel (fwd + bwd, T = 512), at the cost of O(T^2) activation memory."""
+def attend(q, k, v, direction, pos, key_mask):
+    """softmax(q k^T / sqrt(d) + mask) v for queries q (B, H, T, d) at [pos, pos + T), keys and values (B, H, S, d)
+    at [0, S). On GPU: SDPA's flash / memory-efficient kernels. On CPU the plain bf16 matmuls are ~2x faster than
+    SDPA's CPU flash kernel (fwd + bwd, T = 512), at the cost of O(T^2) activation memory."""
+    t, s = q.shape[2], k.shape[2]
+    mask, is_causal = None, False
+    if key_mask is not None or direction == 'reverse' or (direction == 'causal' and t not in (s, 1)):
+        qi, ki = torch.arange(pos, pos + t, device=q.device)[:, None], torch.arange(s, device=q.device)[None, :]
+        mask = {'causal': ki <= qi, 'reverse': (ki >= qi + 2) | (ki == qi), 'none': ki >= 0}[direction]
+        if key_mask is not None:  # padding keys are never read, but a query may always read itself,
+            mask = mask & (key_mask[:, None, None, :] | (ki == qi))  # so no row is empty (no NaN)
+    else:  # no mask, or SDPA's own causal one
+        is_causal = direction == 'causal' and t > 1
     if q.device.type != 'cpu':
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
     scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5                # (B, H, T, S)
@@ -520,11 +494,10 @@ class Attention(nn.Module):
             kv = ctx.cache.get(self)
             if kv is None or ctx.pos == 0:
                 kv = ctx.cache[self] = k.new_zeros(2, *k.shape[:2], self.n_ctx, k.shape[-1])
-            kv[0, :, :, ctx.pos:ctx.pos + k.shape[2]] = k
-            kv[1, :, :, ctx.pos:ctx.pos + k.shape[2]] = v
-            k, v = kv[0, :, :, :ctx.pos + k.shape[2]], kv[1, :, :, :ctx.pos + k.shape[2]]
-        mask, is_causal = attention_mask(self.direction, ctx.pos, q.shape[2], k.shape[2], ctx.mask, x.device)
-        return self.proj(merge_heads(attend(q, k, v, mask, is_causal)))
+            end = ctx.pos + k.shape[2]
+            kv[:, :, :, ctx.pos:end] = torch.stack((k, v))
+            k, v = kv[:, :, :, :end]
+        return self.proj(attend(q, k, v, self.direction, ctx.pos, ctx.mask).transpose(1, 2).flatten(2))
 
 
 class SwiGLU(nn.Module):
@@ -575,8 +548,7 @@ class ELiTAAttention(nn.Module):
         y_i = (e^{K2 x_i} V x_i + e^{c.p2_i + K3 x_i} sum_{j<=i} e^{K1 x_j + c.p1_j} V x_j)
               / (e^{K2 x_i} + e^{c.p2_i + K3 x_i} sum_{j<=i} e^{K1 x_j + c.p1_j})
     The running sums are kept relative to a running maximum (blockwise, exact and causal), and
-    the same scan with one position per block is the O(1)-state recurrent decoder.
-    """
+    the same scan with one position per block is the O(1)-state recurrent decoder."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -656,8 +628,8 @@ def objective_targets(objective, x, y, mask=None):
 
 
 def half_split(length):
-    """Objective half: the first predicted position of a length-T input. The backbone blanks the
-    hidden states from here on and objective_targets trains only from here, so both agree at any T."""
+    """Objective half: the first predicted position of a length-T input, where the backbone's blanking and
+    objective_targets' training both start."""
     return length // 2
 
 
@@ -675,9 +647,9 @@ def sample_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float('-inf'))
     if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) > top_p   # keep the smallest prefix reaching top_p
+        probs, order = logits.sort(dim=-1, descending=True)
+        probs = probs.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p   # keep the smallest prefix reaching top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float('-inf'))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 
@@ -688,8 +660,7 @@ class BidirectionalLM(nn.Module):
     """Paper §5.1, fig S11: a forward stream (tril) and a reverse stream (triu, offset 2) that
     are added once, before the lm head, so logits[t] predicts token t+1 from tokens <= t and
     >= t+2 and every token is trained in one pass. Mixing the streams more than once would
-    let token t+1 flow back into its own prediction. share_ffn (default, as the author's code) gives
-    both streams each block's feed-forward and its norm; each stream keeps its own mixing."""
+    let token t+1 flow back into its own prediction. share_ffn: see __init__."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -773,38 +744,35 @@ def build_model(cfg):
 # =============================================================================================
 
 def param_counts(model):
-    """Parameters split as the paper does: token mixing (mixings, attention), feed-forward,
-    embedding (token/position tables and lm head) and other (norms, heads). mixing_effective is
-    mixing without the masked-mixing entries no output depends on (about half of a causal n x n)."""
+    """Parameters split as the paper does: token mixing (mixings, attention), feed-forward, embedding (token and
+    position tables, lm head) and other (norms, heads). mixing_effective leaves out the masked-mixing entries no
+    output depends on (about half of a causal n x n)."""
     kinds = [('mixing', (TokenMixing, Mixing, Attention, ELiTAAttention)),
              ('feedforward', (MLP, SwiGLU, ELiTAFeedForward, GatedMLP)), ('embedding', nn.Embedding)]
-    counts, seen = dict(mixing=0, feedforward=0, embedding=0), set()
+    counts, seen = {}, set()
     for kind, types in kinds:  # a parameter counts once, in the first kind that claims it
-        for name, mod in model.named_modules():
-            if isinstance(mod, types) or (kind == 'embedding' and name.endswith('lm_head')):
-                for p in mod.parameters():
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        counts[kind] += p.numel()
+        claimed = {id(p): p.numel() for name, mod in model.named_modules() for p in mod.parameters()
+                   if isinstance(mod, types) or (kind == 'embedding' and name.endswith('lm_head'))}
+        counts[kind] = sum(n for i, n in claimed.items() if i not in seen)
+        seen |= claimed.keys()
     counts['other'] = sum(p.numel() for p in model.parameters() if id(p) not in seen)
     counts['total'] = sum(counts.values())
     reads = {id(t.mix): t.mix2.n_out for t in model.modules() if isinstance(t, TokenMixing) and t.mix2 is not None}
     unused = 0  # masked entries, and the rows of an expanded mixing that the next one never reads
-    for m in model.modules():
-        if isinstance(m, Mixing):
-            rows = min(m.n_out, reads.get(id(m), m.n_out))
-            kept = int(allowed_positions(m.direction, rows, m.n_in, 0, 'cpu').sum())
-            per_row = m.bias[..., 0, 0].numel()                          # n_convs x heads (x kernel for weights)
-            unused += m.weight.numel() + m.bias.numel() - m.weight[..., 0, 0].numel() * kept - per_row * rows
+    for m in (m for m in model.modules() if isinstance(m, Mixing)):
+        rows = min(m.n_out, reads.get(id(m), m.n_out))
+        kept = int(allowed_positions(m.direction, rows, m.n_in, 0, 'cpu').sum())
+        per_row = m.bias[..., 0, 0].numel()                          # n_convs x heads (x kernel for weights)
+        unused += m.weight.numel() + m.bias.numel() - m.weight[..., 0, 0].numel() * kept - per_row * rows
     counts['mixing_effective'] = counts['mixing'] - unused
     return counts
 
 
 def flops_per_token(cfg):
-    """Training FLOPs per token, counted the PaLM way: 6 x (all parameters but the embedding
-    tables and the mixers' position-mixing weights and biases; the lm head included), plus
-    per layer 6 n_ctx d_model per masked mixing (x kernel, x2 for expanded: 12 e n_ctx d) and
-    12 n_ctx d_model per attention. No discount for the causal mask. mtp2 runs two passes."""
+    """Training FLOPs per token, counted the PaLM way: 6 x (all parameters but the embedding tables and the
+    mixers' position-mixing weights and biases; the lm head included), plus per layer 6 n_ctx d_model per masked
+    mixing (x kernel, x2 for expanded: 12 e n_ctx d) and 12 n_ctx d_model per attention. No discount for the
+    causal mask. mtp2 runs two passes."""
     with torch.device('meta'):
         model = build_model(cfg)
     matmul_params = {id(p): p.numel() for p in model.parameters()}
@@ -825,10 +793,10 @@ def flops_per_token(cfg):
 
 
 def decode_bytes(model, pos, batch=1, cached=True):
-    """Bytes one decoding step at window position pos reads: every weight once in its storage dtype,
-    except that an embedding table gives a row per sequence and a masked mixing its row pos, plus per
-    sequence the cache rows read (mixing inputs, keys and values); activations and writes are not counted.
-    cached=False (window): all parameter bytes, a loose figure for a step that is compute-bound."""
+    """Bytes one decoding step at window position pos reads: every weight once in its storage dtype, except that
+    an embedding table gives a row per sequence and a masked mixing its row pos, plus per sequence the cache rows
+    read (mixing inputs, keys and values); not activations or writes. cached=False (window): all parameter bytes,
+    a loose figure for a step that is compute-bound."""
     if not cached:
         return sum(p.numel() * p.element_size() for p in model.parameters())
     lm_head = getattr(model, 'lm_head', None)
@@ -854,10 +822,9 @@ def measure_peak_flops(device='cpu', dtype=torch.float32, budget=0.25):
     scaled by the thread count: small matmuls on several threads measure thread wake-ups, not arithmetic."""
     cuda = torch.device(device).type == 'cuda'
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    threads = 1 if cuda else torch.get_num_threads()
+    threads = torch.get_num_threads()
     deadline, best, n = time.perf_counter() + budget, 0.0, 128
-    if not cuda:
-        torch.set_num_threads(1)
+    torch.set_num_threads(threads if cuda else 1)
     try:
         while True:
             a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
@@ -870,7 +837,7 @@ def measure_peak_flops(device='cpu', dtype=torch.float32, budget=0.25):
                 dt = min(dt, time.perf_counter() - t0)
             best = max(best, 2 * n ** 3 / dt)
             if n >= 4096 or time.perf_counter() + 4 * 8 * dt > deadline:  # 2n costs 8x per matmul
-                return best * threads
+                return best * (1 if cuda else threads)
             n *= 2
     finally:
         torch.set_num_threads(threads)
