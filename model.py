@@ -444,7 +444,9 @@ class LanguageModel(nn.Module):
 def attend(q, k, v, direction, pos, key_mask):
     """softmax(q k^T / sqrt(d) + mask) v for queries q (B, H, T, d) at [pos, pos + T), keys and values (B, H, S, d)
     at [0, S). On GPU: SDPA's flash / memory-efficient kernels. On CPU the plain bf16 matmuls are ~2x faster than
-    SDPA's CPU flash kernel (fwd + bwd, T = 512), at the cost of O(T^2) activation memory."""
+    SDPA's CPU flash kernel (fwd + bwd, T = 512), at the cost of O(T^2) activation memory. One query (a cached
+    decoding step) takes the plain path everywhere: two GEMVs, where SDPA on an H100 planned afresh for each
+    new key length (60 ms a token)."""
     t, s = q.shape[2], k.shape[2]
     mask, is_causal = None, False
     if key_mask is not None or direction == 'reverse' or (direction == 'causal' and t not in (s, 1)):
@@ -454,7 +456,7 @@ def attend(q, k, v, direction, pos, key_mask):
             mask = mask & (key_mask[:, None, None, :] | (ki == qi))  # so no row is empty (no NaN)
     else:  # no mask, or SDPA's own causal one
         is_causal = direction == 'causal' and t > 1
-    if q.device.type != 'cpu':
+    if q.device.type != 'cpu' and t > 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
     scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5                # (B, H, T, S)
     if is_causal:

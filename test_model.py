@@ -10,7 +10,7 @@ CPU only, tiny models, every fixture made by the tests themselves. Run: python -
      kill -9 + resume is bit-identical, the dtype fallback    7. retrieve.py    8. bench.py
   9. refusals in every script: status 2, one `error:` line naming the culprit, nothing overwritten
 """
-import ast, dataclasses, hashlib, http.server, io, json, math, os, platform, random, re, shutil, signal, socket
+import ast, contextlib, dataclasses, hashlib, http.server, io, json, math, os, platform, random, re, shutil, signal, socket
 import subprocess, sys, threading, time, types, urllib.parse
 
 import numpy as np
@@ -115,16 +115,21 @@ PADDED = [(dict(arch=a), p) for a in ('mixer', 'llama', 'gpt', 'hybrid', 'gmlp',
 def test_future_tokens_never_reach_past_logits(variant, padding):
     """Changing the tokens after t leaves the logits up to t bit-identical, and their gradient with
     respect to those tokens' embeddings is exactly zero, not just small. The past does matter."""
-    model = make(tiny(**variant))
     gen = torch.Generator().manual_seed(1)
-    idx, mask = padded_batch(padding, gen)
-    logits, _ = model(idx, mask=mask)
+    assert_causal(make(tiny(**variant)), *padded_batch(padding, gen), gen)
+
+
+def assert_causal(model, idx, mask, gen, amp=contextlib.nullcontext):
+    """The test above, on the device of idx, each forward and backward under the context amp()."""
+    with amp():
+        logits, _ = model(idx, mask=mask)
     assert torch.isfinite(logits).all()
     for t in (0, 4, N - 2):
         other = idx.clone()
-        other[:, t + 1:] = torch.randint(0, V, (2, N - t - 1), generator=gen)
-        assert torch.equal(model(other, mask=mask)[0][:, :t + 1], logits[:, :t + 1])
-        grad = embedding_grad(model, idx, mask, lambda lg: lg[:, t].pow(2).sum())
+        other[:, t + 1:] = torch.randint(0, V, (2, N - t - 1), generator=gen).to(idx.device)
+        with amp():
+            assert torch.equal(model(other, mask=mask)[0][:, :t + 1], logits[:, :t + 1])
+            grad = embedding_grad(model, idx, mask, lambda lg: lg[:, t].float().pow(2).sum())
         assert torch.count_nonzero(grad[:, t + 1:]) == 0
         assert torch.count_nonzero(grad[:, :t + 1]) > 0
 
@@ -521,7 +526,7 @@ def test_bad_inputs_are_value_errors():
 # the scripts' shared fixtures: a tiny corpus prepared by prepare.py, a tiny mixer trained on it by train.py
 
 TINY = ['--d_model=32', '--n_layers=2', '--n_ctx=32', '--batch_size=4', '--eval_iters=2', '--log_interval=5',
-        '--warmup_iters=0', '--lr=1e-2']
+        '--warmup_iters=0', '--lr=1e-2', '--device=cpu']  # the CPU's numbers on a GPU machine too (section 10: CUDA)
 ENV = dict(os.environ, OMP_NUM_THREADS='1')
 
 
@@ -1113,11 +1118,13 @@ def test_row_shards_are_the_micro_batch(data):
         assert all(torch.equal(whole[k], torch.cat([h[k] for h in halves])) for k in (0, 1))  # inputs, targets
 
 
-def torchrun(script, argv):
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+def torchrun(script, argv, nproc=2):
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
            os.path.join(HERE, script), *argv]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, (proc.stdout[-1500:], proc.stderr[-3000:])
+    if proc.returncode:  # shown in full with the failure (an assert message would be cut short)
+        print(proc.stdout[-1500:], proc.stderr[-5000:], sep='\n')
+    assert proc.returncode == 0
     return proc
 
 
@@ -1140,6 +1147,14 @@ def test_kill9_then_resume_is_bit_identical(data, tmp_path):
     """kill -9 at an arbitrary step (not at a checkpoint), then --init_from=resume: the weights,
     the optimizer state and the log equal those of an uninterrupted run, bit for bit."""
     args = [f'--data_dir={data}', *TINY, '--arch=mixer', '--max_iters=300', '--eval_interval=25', '--log_interval=1']
+    a, b = interrupted_and_resumed(args, tmp_path)
+    assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
+    assert torch.equal(a['optimizer']['state'][0]['exp_avg_sq'], b['optimizer']['state'][0]['exp_avg_sq'])
+
+
+def interrupted_and_resumed(args, tmp_path):
+    """Final checkpoints of train.py args run whole (in tmp_path/a) and killed -9 after its first
+    checkpoint, then resumed (in tmp_path/b). Checks the counters and that the log was mended."""
     assert train.main([*args, f'--out_dir={tmp_path}/a']) == 0
     out_b = tmp_path / 'b'
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, 'train.py'), *args, f'--out_dir={out_b}'],
@@ -1158,10 +1173,9 @@ def test_kill9_then_resume_is_bit_identical(data, tmp_path):
     assert train.main([*args, f'--out_dir={out_b}', '--init_from=resume']) == 0
     a, b = weights(tmp_path / 'a'), weights(out_b)
     assert a['step'] == b['step'] == 300 and a['tokens_seen'] == b['tokens_seen']
-    assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
-    assert torch.equal(a['optimizer']['state'][0]['exp_avg_sq'], b['optimizer']['state'][0]['exp_avg_sq'])
     steps = [r['step'] for r in records(out_b, 'loss')]
     assert steps == sorted(steps) and len(steps) == len(set(steps)) == 300  # log trimmed, then appended
+    return a, b
 
 
 def test_max_time_is_honoured(data, tmp_path):
@@ -1572,7 +1586,8 @@ def test_train_paper_negatives_and_autoencoder_encoder(corpus, capsys, tmp_path)
 # 8. bench.py: every mode at tiny sizes, the representation metric on models whose answer is known
 # by construction, MFU bounds
 
-BENCH_TINY = ['--d_model=32', '--n_layers=1', '--n_ctx=16', '--vocab_size=128', '--batch_size=2', '--dtype=float32']
+BENCH_TINY = ['--d_model=32', '--n_layers=1', '--n_ctx=16', '--vocab_size=128', '--batch_size=2', '--dtype=float32',
+              '--device=cpu']
 
 
 def test_bench_throughput_rows_and_mfu(tmp_path):
@@ -1920,3 +1935,148 @@ def test_leftovers_are_cleaned_up(data, tmp_path, capsys):
     args = ['text', f'--input={tmp_path}/src', f'--out_dir={tmp_path}/src/data', '--vocab_size=300']
     assert prepare.main(args) == 0
     assert prepare.main(args) == 0 and 'up to date' in capsys.readouterr().out
+
+
+# =============================================================================
+# 10. CUDA: the GPU code paths (skipped without a GPU; on one: python -m pytest -q -k cuda)
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
+AMP = {'float32': contextlib.nullcontext, 'bfloat16': lambda: torch.autocast('cuda', torch.bfloat16),
+       'float16': lambda: torch.autocast('cuda', torch.float16)}
+
+
+@pytest.fixture
+def no_tf32():
+    """Exact comparisons need true fp32 matmuls; train.py turns TF32 on for every later test of the process."""
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+
+
+@cuda
+@pytest.mark.parametrize('amp', ['float32', 'bfloat16'])
+@pytest.mark.parametrize('variant,padding', [(v, None) for v in VARIANTS] + PADDED,
+                         ids=lambda x: name(x) if isinstance(x, dict) else str(x))
+def test_cuda_future_tokens_never_reach_past_logits(variant, padding, amp):
+    """Section 1's causality test on the GPU's kernels (cuBLAS, SDPA), in fp32 and under bf16 autocast."""
+    gen = torch.Generator().manual_seed(1)
+    idx, mask = padded_batch(padding, gen)
+    model = perturbed(tiny(**variant), 0.05).cuda()
+    assert_causal(model, idx.cuda(), None if mask is None else mask.cuda(), gen, AMP[amp])
+
+
+@cuda
+@pytest.mark.parametrize('kernel,amp,padding', [('flash', 'bfloat16', None), ('flash', 'float16', None),
+                                                ('efficient', 'float32', None), ('efficient', 'float32', 'left'),
+                                                ('efficient', 'bfloat16', 'right')])
+@pytest.mark.parametrize('arch', ['llama', 'gpt'])
+def test_cuda_sdpa_kernels_match_explicit_attention(arch, kernel, amp, padding, no_tf32):
+    """SDPA's flash and memory-efficient kernels, each forced (an unusable one raises), against the
+    attention written out in float64: the GPU models compute the same function as the references."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    cfg = ModelConfig(arch=arch, vocab_size=V, n_ctx=64, d_model=128, n_layers=1, n_heads=4)  # head dim 32
+    attn = perturbed(cfg, 0.05).backbone.blocks[0].layers[0]
+    x = torch.randn(2, 64, 128, generator=torch.Generator().manual_seed(0))
+    mask = None
+    if padding:  # row 1 loses 9 tokens on the left or the right
+        mask = torch.ones(2, 64, dtype=torch.bool)
+        mask[1, slice(0, 9) if padding == 'left' else slice(55, 64)] = False
+    want = reference_attention(x.double(), attn.double(), mask)
+    attn.float().cuda()
+    backend = {'flash': SDPBackend.FLASH_ATTENTION, 'efficient': SDPBackend.EFFICIENT_ATTENTION}[kernel]
+    with sdpa_kernel(backend), AMP[amp]():
+        got = attn(x.cuda(), M.Context(mask=None if mask is None else mask.cuda()))
+    tol = 1e-5 if amp == 'float32' else 3e-2
+    torch.testing.assert_close(got.double().cpu(), want, atol=tol, rtol=tol)
+
+
+@cuda
+@pytest.mark.parametrize('variant', VARIANTS, ids=name)
+def test_cuda_window_equals_cache(variant, no_tf32):
+    """Section 2's decoding equivalence on the GPU (fp32): the same greedy tokens through a slide."""
+    model = tiny_model(**variant).cuda()
+    idx = prompt(5).cuda()
+    tok_w, logit_w = decode(model, idx, 2 * N_CTX + N_CTX // 2, 'window')
+    tok_c, logit_c = decode(model, idx, 2 * N_CTX + N_CTX // 2, 'cache')
+    assert torch.equal(tok_w, tok_c) and len(tok_c.unique()) > 3
+    torch.testing.assert_close(logit_c, logit_w, atol=1e-4, rtol=0)
+
+
+@cuda
+@pytest.mark.parametrize('arch', ['mixer', 'llama'])
+def test_cuda_compiled_decode_step_equals_eager(arch, no_tf32):
+    """stream(compile=True) through inductor's GPU kernels: the eager step's tokens, its logits to 1e-4."""
+    model = tiny_model(arch=arch).cuda()
+    torch._dynamo.reset()
+    tok_c, logit_c = decode(model, prompt(5).cuda(), N_CTX + N_CTX // 2, 'cache', compile=True)
+    tok_e, logit_e = decode(model, prompt(5).cuda(), N_CTX + N_CTX // 2, 'cache')
+    assert torch.equal(tok_c, tok_e)
+    torch.testing.assert_close(logit_c, logit_e, atol=1e-4, rtol=0)
+    torch._dynamo.reset()
+
+
+@cuda
+@pytest.mark.parametrize('dtype', ['float16', 'bfloat16', 'float32'])
+@pytest.mark.parametrize('arch', ['mixer', 'llama', 'gpt'])
+def test_cuda_training_learns(data, tmp_path, arch, dtype):
+    """train.py on the GPU in each dtype lowers the loss; fp16 runs with a GradScaler whose state is saved."""
+    assert train_run(data, tmp_path, '--device=cuda', f'--dtype={dtype}', f'--arch={arch}', '--max_iters=20',
+                     '--eval_interval=20') == 0
+    evals = records(tmp_path, 'val_loss')
+    assert [r['step'] for r in evals] == [0, 20] and evals[1]['train_loss'] < evals[0]['train_loss'] - 0.5
+    scaler = weights(tmp_path)['scaler']
+    assert (scaler is not None and scaler['scale'] > 0) == (dtype == 'float16')
+
+
+@cuda
+@pytest.mark.parametrize('arch', ['mixer', 'llama'])
+def test_cuda_compile_follows_the_eager_loss_curve(data, tmp_path, arch):
+    """train.py --compile on the GPU: the eager run's losses, step for step, within 1 %."""
+    curves = []
+    for run, extra in (('eager', []), ('compiled', ['--compile'])):
+        assert train_run(data, tmp_path / run, '--device=cuda', '--dtype=bfloat16', f'--arch={arch}',
+                         '--max_iters=20', '--eval_interval=20', *extra) == 0
+        curves.append([r['loss'] for r in records(tmp_path / run, 'loss')])
+    assert len(curves[0]) == 4
+    torch.testing.assert_close(torch.tensor(curves[1]), torch.tensor(curves[0]), rtol=1e-2, atol=0)
+
+
+@cuda
+def test_cuda_torchrun_one_process_is_ddp_over_nccl(data, tmp_path):
+    """torchrun --nproc_per_node=1 wraps the model in DDP over nccl (as on N GPUs) and trains."""
+    proc = torchrun('train.py', [*TINY, f'--data_dir={data}', f'--out_dir={tmp_path}', '--device=cuda',
+                                 '--max_iters=10', '--eval_interval=10'], nproc=1)
+    assert 'DDP over nccl, 1 process(es)' in proc.stdout
+    evals = records(tmp_path, 'val_loss')
+    assert evals[-1]['step'] == 10 and evals[-1]['train_loss'] < evals[0]['train_loss']
+
+
+@cuda
+def test_cuda_kill9_then_resume_continues_the_run(data, tmp_path):
+    """kill -9 mid-run and --init_from=resume on the GPU: the uninterrupted run's weights and losses (to
+    float tolerance, not bit for bit: CUDA's embedding backward adds with atomics, in any order)."""
+    args = [f'--data_dir={data}', *TINY, '--device=cuda', '--dtype=float32', '--max_iters=300', '--eval_interval=25',
+            '--log_interval=1']
+    a, b = interrupted_and_resumed(args, tmp_path)
+    for k in a['model']:
+        torch.testing.assert_close(b['model'][k], a['model'][k], atol=1e-4, rtol=1e-3)
+    for x, y in zip(records(tmp_path / 'a', 'loss'), records(tmp_path / 'b', 'loss')):
+        assert x['step'] == y['step'] and abs(x['loss'] - y['loss']) < 1e-3
+
+
+@cuda
+def test_cuda_sample_and_bench(trained, capsys):
+    """sample.py on the GPU (window == cache, greedy, fp32 weights) and each bench.py mode's GPU path:
+    MFU against the measured peak, peaks from max_memory_allocated, decoding beside its ceiling."""
+    argv = [f'--ckpt={trained}/ckpt.pt', '--prompt=def f2_1(x):', '--max_new_tokens=40', '--temperature=0',
+            '--device=cuda', '--dtype=float32']
+    code, cached, _ = run_main(capsys, 'sample', *argv)
+    assert code == 0 and run_main(capsys, 'sample', *argv, '--method=window')[1] == cached
+    gpu = ['--d_model=64', '--n_layers=1', '--vocab_size=128', '--device=cuda', '--dtype=bfloat16']
+    rows = bench.main(['throughput', *gpu, '--n_ctx=64', '--batch_size=2', '--warmup=1', '--repeats=2'])
+    assert len(rows) == 3 and all(0 < r['mfu'] < 1 and r['peak_flops'] > 1e12 for r in rows)
+    rows = bench.main(['memory', *gpu, '--archs=mixer', '--n_ctx=256,1024'])
+    assert 0 < rows[0]['mb'] < rows[1]['mb']
+    rows = bench.main(['generate', *gpu, '--n_ctx=64', '--prompt=16', '--new_tokens=8', '--batch_size=1,4'])
+    assert len(rows) == 3 * 3 and all(r['tokens_per_s'] > 0 and r['fraction'] > 0 for r in rows)

@@ -143,6 +143,10 @@ def resolve_device(name):
         raise ValueError(f"--device={name}: nanomixer runs on cpu or cuda (or auto)")
     if device.type == 'cuda' and not torch.cuda.is_available():
         raise ValueError(f"--device={name} but no CUDA GPU is visible: use --device=cpu (or auto)")
+    if device.type == 'cuda':  # an index, as some CUDA calls (memory limits) require
+        device = torch.device('cuda', torch.cuda.current_device() if device.index is None else device.index)
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device={name}: this machine has {torch.cuda.device_count()} GPU(s), cuda:0 and up")
     return device
 
 
@@ -169,16 +173,18 @@ class Runtime:
     rank: int = 0
     world: int = 1
     why: str = ''  # printed in the first log line
+    distributed: bool = False  # launched by torchrun: a process group and DDP, even for one process
 
     @property
     def master(self):  # the process that logs and saves
         return self.rank == 0
 
     def describe(self):
-        return f"{self.device} {str(self.dtype)[6:]} ({self.why})"
+        ddp = f", DDP over {dist.get_backend()}" if self.distributed else ''
+        return f"{self.device} {str(self.dtype)[6:]} ({self.why}){ddp}"
 
     def close(self):
-        if self.world > 1 and dist.is_initialized():
+        if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -198,20 +204,20 @@ def rank_pieces(grad_accum, batch_size, world, rank):
 
 def setup_runtime(cfg):
     """Device, DDP (when launched by torchrun), AMP dtype and GradScaler; seeds torch."""
-    world = int(os.environ.get('WORLD_SIZE', 1))
+    world, distributed = int(os.environ.get('WORLD_SIZE', 1)), 'RANK' in os.environ  # set by torchrun
     rank, local_rank = int(os.environ.get('RANK', 0)), int(os.environ.get('LOCAL_RANK', 0))
     rank_pieces(cfg['grad_accum'], cfg['batch_size'], world, rank)  # fails early if the ranks cannot share a step
     device = resolve_device(cfg['device'])
     dtype, why = choose_dtype(device, cfg['dtype'])
     if device.type == 'cuda':
-        device = torch.device('cuda', local_rank if world > 1 else (device.index or 0))
+        device = torch.device('cuda', local_rank if distributed else (device.index or 0))
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    if world > 1 and not dist.is_initialized():
+    if distributed and not dist.is_initialized():
         dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo')
     torch.manual_seed(cfg['seed'])  # identical initial weights on every rank
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    return Runtime(device, dtype, scaler, rank, world, why)
+    return Runtime(device, dtype, scaler, rank, world, why, distributed)
 
 
 def configure_optimizer(model, lr, weight_decay, device_type, betas=(0.9, 0.999)):
@@ -307,8 +313,7 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
         if master:
             trim_log(log_path, step)
     net = torch.compile(raw) if cfg['compile'] else raw
-    ddp = DDP(net, device_ids=[device.index] if device.type == 'cuda' else None,
-              forward_sync_buffers=False) if runtime.world > 1 else net  # buffers (RoPE tables) are constant
+    ddp = DDP(net, device_ids=[device.index] if device.type == 'cuda' else None) if runtime.distributed else net
     log = open(log_path, 'a') if master else None
     peak = peak_flops(device, runtime.dtype) if flops_per_token else None
     pieces = rank_pieces(cfg['grad_accum'], cfg['batch_size'], runtime.world, runtime.rank)
@@ -344,7 +349,7 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
             group['lr'] = lr
         for i, (micro, shard, shards) in enumerate(pieces):
             batch = to_device(get_batch('train', step, micro, shard, shards), device)
-            sync = i == len(pieces) - 1 or runtime.world == 1  # DDP all-reduces in the last backward only
+            sync = i == len(pieces) - 1 or not runtime.distributed  # DDP all-reduces in the last backward only
             with nullcontext() if sync else ddp.no_sync(), autocast(device, runtime.dtype):
                 loss = loss_fn(ddp, batch)
             scaler.scale(loss / len(pieces)).backward()
@@ -358,14 +363,14 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
         optimizer.zero_grad(set_to_none=True)
         step += 1
         dt = time.perf_counter() - t0
-        if cfg['max_time'] and runtime.world > 1:  # every rank follows rank 0's clock (lr and stop)
+        if cfg['max_time'] and runtime.distributed:  # every rank follows rank 0's clock (lr and stop)
             dt_t = torch.tensor([dt], dtype=torch.float64, device=device)
             dist.broadcast(dt_t, 0)
             dt = dt_t.item()
         train_time += dt
 
         if step % cfg['log_interval'] == 0 or budget_used(cfg, step, train_time) >= 1:
-            if runtime.world > 1:
+            if runtime.distributed:
                 dist.all_reduce(loss_sum)
             n_steps, interval_t = step - logged_step, train_time - logged_time
             mean_loss = loss_sum.item() / (n_steps * len(pieces) * runtime.world)
@@ -387,7 +392,7 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
             logged_step, logged_tokens, logged_time = step, tokens_seen, train_time
     if log:
         log.close()
-    if runtime.world > 1:  # rank 0 may still be writing the checkpoint: tear the group down together
+    if runtime.distributed:  # rank 0 may still be writing the checkpoint: tear the group down together
         dist.barrier()
     return dict(step=step, tokens_seen=tokens_seen, train_time=train_time, best_val=best_val,
                 train_loss=train_loss, val_loss=val_loss, stopped=stopped)
@@ -431,7 +436,7 @@ def evaluate(cfg, runtime, model, get_batch, loss_fn):
             with autocast(runtime.device, runtime.dtype):
                 total[0] += loss_fn(model, to_device(get_batch(split, None, i), runtime.device)).double()
             total[1] += 1
-        if runtime.world > 1:
+        if runtime.distributed:
             dist.all_reduce(total)
         out[split] = (total[0] / total[1]).item()
     model.train()
