@@ -1,6 +1,6 @@
 """nanomixer's tests, written to be read: each protects one property, named by the test or its docstring.
 
-CPU only, tiny models, every fixture made by the tests themselves. Run: python -m pytest -q
+Tiny models on the CPU (a GPU only in section 10), every fixture made by the tests themselves. Run: python -m pytest -q
 (NANOMIXER_NO_BF16=1 makes --dtype=auto take its fp32 fallback everywhere).
 
   1. causality: no future token reaches a past logit, by perturbation and by exact-zero gradients
@@ -9,6 +9,7 @@ CPU only, tiny models, every fixture made by the tests themselves. Run: python -
   4. sample.py    5. prepare.py (a local stand-in for the hub)    6. train.py: DDP == one process,
      kill -9 + resume is bit-identical, the dtype fallback    7. retrieve.py    8. bench.py
   9. refusals in every script: status 2, one `error:` line naming the culprit, nothing overwritten
+ 10. CUDA: sections 1, 2 and 6 on a GPU's kernels (skipped without one; there: python -m pytest -q -k cuda)
 """
 import ast, contextlib, dataclasses, hashlib, http.server, io, json, math, os, platform, random, re, shutil, signal, socket
 import subprocess, sys, threading, time, types, urllib.parse
