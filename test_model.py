@@ -1,7 +1,7 @@
 """nanomixer's tests, written to be read: each protects one property, named by the test or its docstring.
 
-Tiny models on the CPU (a GPU only in section 10), every fixture made by the tests themselves. Run: python -m pytest -q
-(NANOMIXER_NO_BF16=1 makes --dtype=auto take its fp32 fallback everywhere).
+Tiny models on the CPU (a GPU only in section 10), every fixture made by the tests themselves.
+Run: python -m pytest -q (NANOMIXER_NO_BF16=1 makes --dtype=auto take its fp32 fallback everywhere).
 
   1. causality: no future token reaches a past logit, by perturbation and by exact-zero gradients
   2. decoding: window == cache == the full forward, for every cached code path
