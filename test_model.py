@@ -300,6 +300,26 @@ def test_compiled_decode_step_traces_once_for_all_positions(arch):
     torch._dynamo.reset()
 
 
+def test_compiled_decode_step_freezes_each_models_weights():
+    """stream(compile=True) on CPU: inductor with the weights frozen in as constants (max-autotune's own GEMVs).
+    Two models compiled side by side each decode their own eager tokens; changed weights are refused."""
+    torch._dynamo.reset()
+    models = [perturbed(ModelConfig(vocab_size=VOCAB, n_ctx=N_CTX, d_model=16, n_layers=1), 0.1, seed).eval()
+              for seed in (0, 1)]
+    with torch._inductor.config.patch(max_autotune_gemm_backends='CPP'):  # one choice: no timing runs
+        for _ in range(2):  # the second round runs each model's graph again, after the other's compile
+            for model in models:
+                tok_c, logit_c = decode(model, prompt(5), 6, 'cache', compile=True)
+                tok_e, logit_e = decode(model, prompt(5), 6, 'cache')
+                assert torch.equal(tok_c, tok_e)
+                torch.testing.assert_close(logit_c, logit_e, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        models[0].lm_head.weight.add_(1.0)
+    with pytest.raises(ValueError, match='weights changed'):
+        decode(models[0], prompt(5), 2, 'cache', compile=True)
+    torch._dynamo.reset()
+
+
 def test_elita_recurrent_equals_parallel_across_scan_blocks():
     """ELiTA's O(1)-state recurrence equals its blockwise scan, from a prompt spanning a block boundary."""
     model = tiny_model(arch='elita', n_ctx=2 * M.ELITA_CHUNK + 22)
