@@ -35,7 +35,7 @@ DEFAULTS = dict(
     method='cache',         # cache (exact, O(n^2 d) per window) | window (the paper's, O(n^3 d))
     compile=False,          # torch.compile the cached step: faster after a one-time compile (README, Sampling)
     device='auto',          # auto = cuda if available, else cpu
-    dtype='auto',           # the weights' dtype for decoding; auto: bf16 where native, as train.py decides
+    dtype='auto',           # the weights' dtype; auto: train.py's choice, but fp32 for cached decoding on a CPU
 )
 
 
@@ -106,6 +106,9 @@ def sample(argv):
     args = parse_args(argv)
     device = resolve_device(args.device)
     dtype, why = choose_dtype(device, args.dtype)
+    if args.dtype == 'auto' and device.type == 'cpu' and args.method == 'cache' and dtype != torch.float32:
+        # a cached step is GEMVs, and CPUs with native bf16 still ran bf16 ones slower than fp32 (README)
+        dtype, why = torch.float32, 'cached decoding on a CPU: fp32 GEMVs are faster than bf16 ones'
     best = os.path.join(args.out_dir, 'best.pt')  # the lowest val loss
     path = args.ckpt or (best if os.path.isfile(best) else os.path.join(args.out_dir, 'ckpt.pt'))
     model, tok = load(path, device, dtype)

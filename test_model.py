@@ -1121,6 +1121,20 @@ def test_auto_dtype_picks_bf16_where_it_is_native(monkeypatch):
         assert train.choose_dtype(torch.device('cuda'), 'bfloat16')[0] == expected    # asked, but none: fp16
 
 
+def test_sample_decodes_fp32_on_a_cpu_unless_window_or_asked(trained, monkeypatch, capsys):
+    """On a (mocked) native-bf16 CPU, auto gives the cached decoder fp32 weights; the window method, a
+    full forward per token, gets bf16 as training would."""
+    monkeypatch.delenv(train.NO_BF16_ENV, raising=False)
+    monkeypatch.setattr(torch.ops.mkldnn, '_is_mkldnn_bf16_supported', lambda: True)
+    monkeypatch.setattr(train, '_cpu_probe', [])
+    monkeypatch.setattr(train, 'matmul_seconds', lambda dt, *a: 1.0 if dt == torch.bfloat16 else 4.0)
+    argv = [f'--ckpt={trained}/ckpt.pt', '--max_new_tokens=2', '--device=cpu']
+    for extra, want in (([], 'cpu float32'), (['--method=window'], 'cpu bfloat16'),
+                        (['--dtype=bfloat16'], 'cpu bfloat16')):
+        code, _, err = run_main(capsys, 'sample', *argv, *extra)
+        assert code == 0 and want in err, err
+
+
 @pytest.mark.parametrize('accum,batch,world', [(1, 16, 1), (1, 16, 2), (1, 16, 8), (4, 16, 2), (4, 8, 8), (3, 4, 2),
                                                (2, 6, 3)])
 def test_rank_pieces_cover_every_row_once(accum, batch, world):
