@@ -1,25 +1,27 @@
 """
 nanomixer: masked mixers and their baselines, in one file.
 
-A masked mixer is a transformer whose attention is replaced by a learned n_ctx x n_ctx
-linear mixing over positions, lower-triangular masked so that position t only reads
-positions <= t (Badger, "Masked Mixers for Language Generation and Retrieval").
+A masked mixer is a transformer whose attention is replaced by a learned n_ctx x n_ctx linear
+mixing over positions, lower-triangular masked so that position t reads only positions <= t
+(Badger, "Masked Mixers for Language Generation and Retrieval"):
 
-Conventions shared by every model in this file
-- idx: LongTensor (B, T) of token ids, T <= n_ctx.
-- targets: LongTensor shaped like logits[..., 0]; targets[b, t] is the token logits[b, t]
-  should predict, -1 means "no loss here". The data loader does the shift (nanoGPT's
-  convention); `objective_targets` builds targets for the non-CLM objectives.
-- mask: optional BoolTensor (B, T), True on real tokens, False on padding. Attention uses it
-  as a key-padding mask; masked mixers ignore it, as in the paper (with right padding a pad
-  can only reach positions after it; with left padding the pads are mixed in like tokens).
-- Every language model returns (logits, loss): logits (B, T, vocab_size), loss a scalar or
-  None. `model.hidden(idx)` returns the last hidden states (B, T, d_model) for retrieval.
+    out = tril(W) @ x + b      x (n_ctx, d_model), W (n_ctx, n_ctx), b (n_ctx, 1)
+
+`Mixing` below is that line; the rest of the file builds language models around it and the
+transformer baselines (Llama, GPT-1) they are compared with.
+
+Conventions
+- idx: LongTensor (B, T) of token ids, T <= n_ctx; pos: the window position of idx[:, 0].
+- targets: shaped like logits[..., 0], the token logits[b, t] should predict; -1 = no loss.
+  The data loader shifts (nanoGPT's convention); `objective_targets` builds the other objectives'.
+- mask: optional BoolTensor (B, T), True on real tokens. Attention uses it as a key-padding mask;
+  masked mixers ignore it, as in the paper (a right pad only reaches positions after it).
+- cache: optional `Cache`, the decoding state passed explicitly (as nanochat's kv_cache).
+- Language models return (logits, loss): logits (B, T, vocab_size), loss a scalar or None.
 """
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -28,248 +30,263 @@ from einops import rearrange
 
 ARCHS = ('mixer', 'llama', 'gpt', 'hybrid', 'gmlp', 'elita')
 OBJECTIVES = ('clm', 'autoencoder', 'bidirectional', 'mtp2', 'half')
-POS_CHANNELS = ('none', 'input', 'every')
-HYBRID_ORDERS = ('attn_mix', 'mix_attn', 'parallel')
 ELITA_CHUNK = 64  # positions per block of ELiTA's parallel scan
+
+
+def one_of(name, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is unknown: use one of {', '.join(allowed)}")
 
 
 @dataclass
 class ModelConfig:
     arch: str = 'mixer'        # mixer | llama | gpt | hybrid | gmlp | elita
     vocab_size: int = 4096
-    n_ctx: int = 512           # context window; mixers have position-specific weights, so fixed
+    n_ctx: int = 512           # context window; a mixer's weights are per position, so it is fixed
     d_model: int = 512
     n_layers: int = 8
-    n_heads: int = 0           # 0 = the arch's default: 4 attention heads (paper's optimum), 1 mixer head
-    kernel: int = 1            # mixer Conv1d kernel, sliding along d_model (paper 9.2)
-    expansion: float = 0.0     # 0 = flat mixer; e > 0 = original n -> e*n -> n mixing with GELU
-    n_convs: int = 1           # p > 1: p parallel masked mixings, each with its own bias and GELU, summed
-    softmax: bool = False      # row softmax over the allowed positions of each mixing
+    n_heads: int = 0           # 0 = the arch's default: 4 attention heads, 1 mixer head
+    kernel: int = 1            # mixer Conv1d kernel, sliding along d_model (paper §9.2)
+    expansion: float = 0.0     # 0 = flat mixer; e > 0 = the MLP-mixer's n -> e*n -> n, GELU between
+    n_convs: int = 1           # p > 1: p parallel masked mixings, each through GELU, summed
+    softmax: bool = False      # each mixing row a softmax over the positions it may read
     pos_emb: bool = False      # learned absolute positions (mixer ablation; GPT always has them)
-    pos_channel: str = 'none'  # none | input | every: the blog's ablation, centred position in the last channel
-    hybrid_order: str = 'attn_mix'  # hybrid: attn_mix (attention, then mixing) | mix_attn | parallel
-    share_ffn: bool = True     # bidirectional: both streams share each block's feed-forward (the author's code)
-    causal: bool = True        # False = unmasked, bidirectional mixing/attention
-    tie_weights: bool = False  # lm_head shares the token embedding
+    pos_channel: str = 'none'  # none | input | every: one extra channel holding the position (blog)
+    hybrid_order: str = 'attn_mix'  # hybrid: attn_mix | mix_attn | parallel
+    share_ffn: bool = None     # bidirectional: streams share feed-forwards (None: mixer yes, llama no)
+    causal: bool = True        # False = unmasked (bidirectional) mixing or attention
+    tie_weights: bool = False  # the lm head shares the token embedding
     objective: str = 'clm'     # clm | autoencoder | bidirectional | mtp2 | half
 
     def __post_init__(self):
+        one_of('arch', self.arch, ARCHS)
+        one_of('objective', self.objective, OBJECTIVES)
+        one_of('pos_channel', self.pos_channel, ('none', 'input', 'every'))
+        one_of('hybrid_order', self.hybrid_order, ('attn_mix', 'mix_attn', 'parallel'))
         if self.n_heads == 0:
             self.n_heads = 4 if self.arch in ('llama', 'gpt', 'hybrid', 'elita') else 1
-        if self.arch == 'gpt':
-            self.pos_emb = True  # GPT-1 learns absolute positions; this is not optional for it
-        for name, allowed in (('arch', ARCHS), ('objective', OBJECTIVES), ('pos_channel', POS_CHANNELS),
-                              ('hybrid_order', HYBRID_ORDERS)):
-            self.require(name, getattr(self, name) in allowed, f"use one of {', '.join(allowed)}")
+        self.pos_emb = self.pos_emb or self.arch == 'gpt'  # GPT-1 always learns its positions
+        two_streams = self.objective == 'bidirectional'
+        if self.share_ffn is None:  # the author's choice: one DoubleMixerBlock, two Llama stacks
+            self.share_ffn = self.arch == 'mixer' if two_streams else False
         for name in ('vocab_size', 'n_ctx', 'd_model', 'n_layers', 'n_heads', 'kernel', 'n_convs'):
-            value = getattr(self, name)
-            self.require(name, isinstance(value, int) and value >= 1, "must be a positive integer")
-        e, two_streams, mixing = self.expansion, self.objective == 'bidirectional', self.arch in ('mixer', 'hybrid')
-        for name, ok, fix in [  # every rule: (field, holds, what to do instead)
-            ('hybrid_order', self.hybrid_order == 'attn_mix' or self.arch == 'hybrid', "only arch hybrid has one"),
-            ('share_ffn', isinstance(self.share_ffn, bool) and (self.share_ffn or two_streams),
-             "is True or False, and only the bidirectional objective has two streams to share"),
-            ('n_heads', self.d_model % self.n_heads == 0, f"must divide d_model={self.d_model}"),
-            ('n_heads', self.arch not in ('llama', 'hybrid') or self.d_model // self.n_heads % 2 == 0,
-             "RoPE needs an even head size d_model // n_heads"),
-            ('n_heads', self.arch != 'gmlp' or self.n_heads == 1, "gmlp has one spatial projection: use 0 or 1"),
-            ('arch', mixing or (self.kernel, e, self.n_convs, self.softmax) == (1, 0, 1, False),
-             "kernel, expansion, n_convs and softmax are masked-mixer variants: use arch mixer or hybrid"),
-            ('kernel', self.kernel <= self.d_model // (self.n_heads if self.arch == 'mixer' else 1),
-             "must not exceed the channels it slides along (d_model // n_heads)"),
-            ('expansion', e == 0 or (e > 0 and int(e * self.n_ctx) >= 1), "use 0 (flat) or e > 0, e * n_ctx >= 1"),
-            ('expansion', e == 0 or (self.causal and not two_streams), "the expanded mixing is defined for tril only"),
-            ('n_convs', e == 0 or self.n_convs == 1, "parallel mixings are a flat-mixer variant: use expansion=0"),
-            ('causal', self.causal or (self.arch != 'elita' and self.objective == 'clm'),
-             "causal=False is for clm-style encoders of arch mixer/llama/gpt/hybrid/gmlp"),
-            ('objective', self.objective not in ('autoencoder', 'bidirectional') or self.arch in ('mixer', 'llama'),
-             f"{self.objective} is built from mixer or llama blocks: use arch mixer or llama"),
-            ('softmax', not (two_streams and self.softmax), "the reverse stream's last rows have nothing to normalise"),
-            ('n_layers', self.objective != 'half' or (self.n_layers >= 2 and self.n_ctx >= 2),
-             "half-sequence prediction needs n_layers >= 2 (encoder + decoder halves)"),
-        ]:
-            self.require(name, ok, fix)
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be a positive integer")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"n_heads={self.n_heads} must divide d_model={self.d_model}")
+        if self.arch in ('llama', 'hybrid') and self.d_model // self.n_heads % 2:
+            raise ValueError(f"n_heads={self.n_heads}: RoPE needs an even head size d_model // n_heads")
+        if self.share_ffn and not two_streams:
+            raise ValueError("share_ffn=True: only the bidirectional objective has two streams")
+        self.check_mixer()
+        if not self.causal and (self.arch == 'elita' or self.objective != 'clm'):
+            raise ValueError("causal=False is for clm encoders of arch mixer/llama/gpt/hybrid/gmlp")
+        if self.objective in ('autoencoder', 'bidirectional') and self.arch not in ('mixer', 'llama'):
+            raise ValueError(f"objective={self.objective} is built of mixer or llama blocks: "
+                             f"use arch mixer or llama")
+        if self.objective == 'half' and (self.n_layers < 2 or self.n_ctx < 2):
+            raise ValueError("objective=half needs n_layers >= 2 (an encoder and a decoder half)")
 
-    def require(self, name, ok, fix):
-        if not ok:
-            raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is invalid: {fix}")
+    def check_mixer(self):
+        """The masked-mixer variants: where each one is defined."""
+        e, variant = self.expansion, (self.kernel, self.expansion, self.n_convs, self.softmax)
+        if self.arch not in ('mixer', 'hybrid') and variant != (1, 0, 1, False):
+            raise ValueError(f"arch={self.arch}: kernel, expansion, n_convs and softmax are "
+                             f"masked-mixer variants: use arch mixer or hybrid")
+        if self.arch == 'gmlp' and self.n_heads != 1:
+            raise ValueError("n_heads: gmlp has one spatial projection: use 0 or 1")
+        if self.kernel > self.d_model // (self.n_heads if self.arch == 'mixer' else 1):
+            raise ValueError(f"kernel={self.kernel} must not exceed the channels it slides along")
+        if e and not (e > 0 and int(e * self.n_ctx) >= 1):
+            raise ValueError(f"expansion={e}: use 0 (flat) or e > 0 with e * n_ctx >= 1")
+        if e and (not self.causal or self.objective == 'bidirectional'):
+            raise ValueError(f"expansion={e}: the expanded mixing is defined for tril only")
+        if e and self.n_convs > 1:
+            raise ValueError("n_convs: parallel mixings are a flat-mixer variant: use expansion=0")
+        if self.softmax and self.objective == 'bidirectional':
+            raise ValueError("softmax: the reverse stream's last rows have nothing to normalise")
+        flat = (self.arch, self.n_heads, *variant) == ('mixer', 1, 1, 0, 1, False)
+        if self.pos_channel != 'none' and not flat:
+            raise ValueError(f"pos_channel={self.pos_channel} is the flat one-head mixer's "
+                             f"ablation: use arch mixer with no other variant")
+
+    @property
+    def width(self):  # channels the blocks run at: the position channel is appended to d_model
+        return self.d_model + (self.pos_channel != 'none')
 
 
 # ----------------------------------------------------------------------------- the masked mixer
 
-@dataclass
-class Context:
-    """What a sublayer needs besides x: where x sits in the window, padding, decoding state."""
-    pos: int = 0                              # window position of x[:, 0]
-    mask: Optional[torch.Tensor] = None       # (B, T) True on real tokens (attention only)
-    cache: Optional[dict] = None              # per-module decoding state, keyed by module
-    shared: Optional[dict] = None             # per-Mixing inputs of a shared pad prefix (Backbone.hidden)
-
-
-def allowed_positions(direction, rows, cols, row0, device):
-    """Bool (rows, cols): may output position row0 + i read input position j?"""
-    ones = torch.ones(rows, cols, dtype=torch.bool, device=device)
-    return {'causal': ones.tril(row0), 'reverse': ones.triu(row0 + 2)}.get(direction, ones)  # j <= t; j >= t + 2
-
-
 class Mixing(nn.Module):
-    """Masked linear mixing over positions, the heart of the masked mixer:
+    """Masked linear mixing over positions, the heart of the masked mixer, per head of channels:
+    out[t] = sum_{s<=t} W[t, s] x[s] + b[t], one learned weight per pair of positions, shared by
+    every channel. The mask is applied here, never to .data, so masked weights get exactly zero
+    gradient. direction: 'causal' (tril), 'reverse' (the bidirectional LM's second stream, inputs
+    s >= t + 2) or 'none'. softmax: each row a distribution over the positions it may read."""
 
-        out = tril(W) @ x + b      x (n_in, c): positions x channels, W (n_out, n_in), b (n_out, 1)
-
-    out[t] = sum_{s<=t} W[t, s] x[s] + b[t]: a learned weight per pair of positions, the same for every
-    channel. The mask is applied in forward, never to .data, so masked entries get exactly zero gradient.
-    The weight is stored (n_convs, heads, kernel, n_out, n_in) for the variants, each a few lines below:
-    heads, a W per group of channels; kernel > 1, the paper's Conv1d with positions as channels, sliding
-    along the features; n_convs = p > 1, the blog's parallel mixer sum_i GELU(W_i x + b_i) (the GELUs make
-    it more than one flat mixing); softmax, each row a distribution over its allowed positions."""
-
-    def __init__(self, n_out, n_in, channels, heads=1, kernel=1, n_convs=1, softmax=False, direction='causal'):
+    def __init__(self, n_out, n_in, heads=1, softmax=False, direction='causal', kernel=1):
         super().__init__()
-        self.n_out, self.n_in, self.channels, self.heads = n_out, n_in, channels, heads
-        self.kernel, self.softmax, self.direction = kernel, softmax, direction
+        self.softmax, self.direction = softmax, direction
         bound = 1 / math.sqrt(n_in * kernel)  # nn.Conv1d's default init, as the paper used
-        self.weight = nn.Parameter(torch.empty(n_convs, heads, kernel, n_out, n_in).uniform_(-1, 1) * bound)
-        self.bias = nn.Parameter(torch.empty(n_convs, heads, n_out, 1).uniform_(-bound, bound))
+        shape = (heads, n_out, n_in) if kernel == 1 else (heads, kernel, n_out, n_in)
+        self.weight = nn.Parameter(torch.empty(shape).uniform_(-bound, bound))
+        self.bias = nn.Parameter(torch.empty(heads, n_out, 1).uniform_(-bound, bound))
 
-    def matrix(self, row0, rows, cols):
-        """Masked weights (n_convs, heads, kernel, rows, cols): outputs [row0, row0 + rows), inputs [0, cols)."""
-        w = self.weight[..., row0:row0 + rows, :cols]
-        if self.softmax:  # mask with -inf *before* the softmax, so the future gets no weight
-            keep = allowed_positions(self.direction, rows, cols, row0, w.device)
-            return w.masked_fill(~keep, float('-inf')).softmax(dim=-1)
-        if self.direction == 'causal':
-            return w.tril(row0)       # <- causality lives here: output t reads only inputs s <= t
-        if self.direction == 'reverse':
-            return w.triu(row0 + 2)   # bidirectional LM's reverse stream: inputs s >= t + 2
-        return w
+    def forward(self, x, pos=0, rows=None):
+        """x (B, H, S, c): the inputs at positions [0, S) -> out (B, H, rows, c) at [pos, pos + rows)."""
+        rows = x.shape[2] - pos if rows is None else rows
+        W = self.weight[..., pos:pos + rows, :x.shape[2]]           # rows [pos, pos + rows) of W
+        if self.softmax:  # -inf before the softmax, so the future gets no weight
+            W = W.masked_fill(~allowed(self.direction, W, pos), float('-inf')).softmax(-1)
+        elif self.direction == 'causal':
+            W = W.tril(pos)            # <- causality lives here: output t reads inputs s <= t
+        elif self.direction == 'reverse':
+            W = W.triu(pos + 2)
+        return self.product(W, x) + self.bias[:, pos:pos + rows]    # out = tril(W) @ x + b
 
-    def mix(self, x, row0, rows):
-        """Outputs (B, H, rows, c) at positions [row0, row0 + rows) from inputs x (B, H, T, c) at [0, T)."""
-        if rows == 0:  # an e < 1 expanded mixing has no hidden rows past e * n_ctx
-            return x.new_zeros(x.shape[0], self.heads, 0, self.channels)
-        w, b = self.matrix(row0, rows, x.shape[2]), self.bias[..., row0:row0 + rows, :]  # (P, H, k, R, T), (P, H, R, 1)
-        if self.kernel == 1 and len(w) == 1:  # the flat mixer, per head:
-            return w[0, :, 0] @ x + b[0]      # out = tril(W) @ x + b
-        if self.kernel == 1:  # each parallel mixing m (H, 1, R, T), bias (H, R, 1)
-            ys = [m[:, 0] @ x + bias for m, bias in zip(w, b)]
-        else:  # grouped Conv1d: positions are channels, the kernel slides along c ('same' size)
-            x = F.pad(rearrange(x, 'b h s c -> b (h s) c'), ((self.kernel - 1) // 2, self.kernel // 2))
-            ys = [rearrange(F.conv1d(x, rearrange(m, 'h k r s -> (h r) s k'), groups=self.heads),
-                            'b (h r) c -> b h r c', h=self.heads) + bias for m, bias in zip(w, b)]
-        return ys[0] if len(ys) == 1 else sum(F.gelu(y) for y in ys)
+    def product(self, W, x):  # (H, R, S) @ (B, H, S, c) -> (B, H, R, c)
+        return W @ x
 
-    def forward(self, x, ctx, t_new):
-        """x (B, H, T_in, c): inputs at window positions [pos, pos + T_in) -> the outputs at [pos, pos + t_new)
-        that exist (rows < n_out). Earlier inputs come from ctx.cache (decoding) or ctx.shared (a pad prefix)."""
-        p0, t_in = ctx.pos, x.shape[2]
-        if ctx.shared is not None:  # Backbone.hidden: positions < p0 are one batch-1 pass, read by every row
-            if p0 == 0:
-                ctx.shared[self] = x
-            else:  # cat, not the cache's in-place writes: gradients flow back into the shared rows
-                x = torch.cat([ctx.shared[self].expand(x.shape[0], -1, -1, -1), x], dim=2)
-        elif ctx.cache is not None:
-            buf = ctx.cache.get(self)
-            if buf is None or p0 == 0:
-                buf = ctx.cache[self] = x.new_zeros(x.shape[0], self.heads, self.n_in, self.channels)
-            if t_in == t_new == 1 and self.kernel == 1 and self.weight.shape[0] == 1 and p0 < self.n_out \
-                    and self.direction == 'causal':
-                return self.step(x, p0, buf)
-            buf[:, :, p0:p0 + t_in] = x
-            x = buf[:, :, :p0 + t_in]
-        elif p0 != 0:
-            raise ValueError("Mixing without a cache must start at window position 0")
-        return self.mix(x, p0, max(0, min(self.n_out, p0 + t_new) - p0))
 
-    def step(self, x, p0, buf):
-        """One decoding step, x (B, H, 1, c) at position p0 < n_in, n_out (kernel 1, one mixing): row p0
-        reads the cached inputs s <= p0, all of which the causal mask allows, so nothing is masked."""
-        buf[:, :, p0:p0 + 1] = x
-        w = self.weight[0, :, 0, p0:p0 + 1, :p0 + 1]               # (H, 1, p0 + 1)
-        w = w.softmax(dim=-1) if self.softmax else w
-        return torch.matmul(w, buf[:, :, :p0 + 1]) + self.bias[0, :, p0:p0 + 1]  # (B, H, 1, c)
+def allowed(direction, W, pos):
+    """Bool (R, S): may the output at position pos + i read the input at position j?"""
+    ones = torch.ones(W.shape[-2:], dtype=torch.bool, device=W.device)
+    return {'causal': ones.tril(pos), 'reverse': ones.triu(pos + 2)}.get(direction, ones)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        bias = state_dict.get(prefix + 'bias')
-        if bias is not None and bias.dim() == 3:  # a checkpoint from before per-mixing biases (one mixing)
-            state_dict[prefix + 'bias'] = bias[None]
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+class ConvMixing(Mixing):
+    """kernel > 1 (paper §9.2): the paper's Conv1d with the positions as its channels, sliding a
+    kernel-wide window along the features ('same' padding), weight (heads, kernel, n_out, n_in)."""
+
+    def product(self, W, x):
+        H, k = W.shape[:2]
+        x = F.pad(rearrange(x, 'b h s c -> b (h s) c'), ((k - 1) // 2, k // 2))
+        y = F.conv1d(x, rearrange(W, 'h k r s -> (h r) s k'), groups=H)  # (B, H * R, c)
+        return rearrange(y, 'b (h r) c -> b h r c', h=H)
+
+
+class ParallelMixing(nn.ModuleList):
+    """n_convs = p > 1, the blog's parallel mixer: sum_i GELU(W_i x + b_i), one mixing per i."""
+
+    def forward(self, x, pos=0, rows=None):
+        return sum(F.gelu(mix(x, pos, rows)) for mix in self)
 
 
 class TokenMixing(nn.Module):
-    """The masked mixer's replacement for attention: flat, expanded, parallel or multi-head."""
+    """The masked mixer's replacement for attention: a mixing (flat, kernel, parallel), or two
+    with GELU between (expanded, n -> e*n -> n), per head of channels with projections (fig S6)."""
 
     def __init__(self, cfg, direction):
         super().__init__()
-        d, n = cfg.d_model, cfg.n_ctx
-        self.heads = cfg.n_heads if cfg.arch == 'mixer' else 1  # hybrid: heads belong to attention
-        kw = dict(channels=d // self.heads, heads=self.heads, kernel=cfg.kernel, n_convs=cfg.n_convs,
-                  softmax=cfg.softmax, direction=direction)
-        # fig S6: per-head input projections, a mixing per head, concat, output projection
+        d, n, self.heads = cfg.width, cfg.n_ctx, cfg.n_heads if cfg.arch == 'mixer' else 1
         self.proj_in = nn.Linear(d, d) if self.heads > 1 else nn.Identity()
         self.proj_out = nn.Linear(d, d) if self.heads > 1 else nn.Identity()
-        m = int(cfg.expansion * n) if cfg.expansion else n  # expanded: the MLP-mixer's n -> e*n -> n, both tril
-        self.mix = Mixing(m, n, **kw)
-        self.mix2 = Mixing(n, m, **kw) if cfg.expansion else None
+        self.m = int(cfg.expansion * n) if cfg.expansion else n  # hidden rows of an expanded mixer
 
-    def forward(self, x, ctx):  # (B, T, d) -> (B, T, d)
-        t_new = x.shape[1]  # (B, T, H * c) -> (B, H, T, c) as a view (einops costs ~20 us a call)
-        x = self.mix(self.proj_in(x).reshape(*x.shape[:-1], self.heads, -1).transpose(1, 2), ctx, t_new)
+        def mixing(n_out, n_in):
+            kw = dict(heads=self.heads, softmax=cfg.softmax, direction=direction)
+            if cfg.n_convs > 1:
+                return ParallelMixing(Mixing(n_out, n_in, **kw) for _ in range(cfg.n_convs))
+            return ConvMixing(n_out, n_in, kernel=cfg.kernel, **kw) if cfg.kernel > 1 else \
+                Mixing(n_out, n_in, **kw)
+        self.mix = mixing(self.m, n)
+        self.mix2 = mixing(n, self.m) if cfg.expansion else None
+
+    def forward(self, x, pos=0, cache=None, mask=None):  # (B, T, d) -> (B, T, d)
+        t = x.shape[1]  # (B, T, H * c) -> (B, H, T, c)
+        x = self.proj_in(x).unflatten(-1, (self.heads, -1)).transpose(1, 2)
+        if cache is not None:  # the inputs at [0, pos) from earlier calls
+            x = cache.extend(self.mix, x, pos)
+        x = self.mix(x, pos, max(0, min(self.m, pos + t) - pos))  # e < 1: no rows past e * n
         if self.mix2 is not None:  # e > 1: hidden rows >= n_ctx are never read under the mask
-            x = self.mix2(F.gelu(x), ctx, t_new)
+            x = F.gelu(x)  # hidden rows exist only below m: those at [min(pos, m), ...)
+            x = self.mix2(x if cache is None else cache.extend(self.mix2, x, min(pos, self.m)),
+                          pos, t)
         return self.proj_out(x.transpose(1, 2).flatten(2))
 
 
-# ----------------------------------------------------------------------------- blocks and the language model
+class Cache(dict):
+    """Decoding state, keyed by layer: a mixing's inputs, an attention's keys and values, ELiTA's
+    running sums. Without gradients (decoding) rows go into n_ctx-long buffers, written in place;
+    with them (training through a shared pad prefix) rows are concatenated, so gradients flow."""
+
+    def __init__(self, n_ctx):
+        super().__init__()
+        self.n_ctx = n_ctx
+
+    def extend(self, key, x, pos):
+        """x (B, H, T, c): rows at [pos, pos + T) -> every row so far (B, H, pos + T, c)."""
+        old, end = self.get(key) if pos else None, pos + x.shape[2]
+        if torch.is_grad_enabled() or (old is not None and len(old) != len(x)):
+            # concatenate: no in-place writes under autograd; a batch-1 prefix serves every row
+            full = x if old is None else torch.cat([old[:, :, :pos].expand(len(x), -1, -1, -1), x], 2)
+            self[key] = full
+            return full
+        if old is None or old.shape[2] < self.n_ctx:
+            buf = x.new_zeros(*x.shape[:2], self.n_ctx, x.shape[3])
+            if old is not None:
+                buf[:, :, :pos] = old[:, :, :pos]
+            self[key] = old = buf
+        old[:, :, pos:end] = x
+        return old[:, :, :end]
+
+
+# ----------------------------------------------------------------------------- blocks and the model
 
 class MLP(nn.Module):
-    """Position-wise d -> hidden -> d with GELU (the mixer's feed-forward; GPT-1's uses GELU's tanh form)."""
+    """Position-wise d -> 4d -> d with GELU (the mixer's feed-forward; GPT-1's uses GELU's tanh)."""
 
     def __init__(self, d, hidden, approximate='none'):
         super().__init__()
-        self.fc, self.out = nn.Linear(d, hidden), nn.Linear(hidden, d)
-        self.approximate = approximate
+        self.fc, self.out, self.approximate = nn.Linear(d, hidden), nn.Linear(hidden, d), approximate
 
-    def forward(self, x, ctx=None):
+    def forward(self, x):
         return self.out(F.gelu(self.fc(x), approximate=self.approximate))
 
 
 def norm_layer(cfg):
-    return nn.RMSNorm(cfg.d_model, eps=1e-6) if cfg.arch in ('llama', 'hybrid') else nn.LayerNorm(cfg.d_model)
+    rms = cfg.arch in ('llama', 'hybrid')
+    return nn.RMSNorm(cfg.width, eps=1e-6) if rms else nn.LayerNorm(cfg.width)
 
 
 class Block(nn.Module):
-    """One residual block: a list of (norm, sublayer) pairs; pre-norm, except GPT-1's post-norm."""
+    """Token mixers (a masked mixing, attention, or both for the hybrid), then a feed-forward,
+    each residual with its own norm: pre-norm, but GPT-1's post-norm. Only the token mixers read
+    pos, cache and mask; a feed-forward sees one position at a time."""
 
     def __init__(self, cfg, direction):
         super().__init__()
-        d, arch = cfg.d_model, cfg.arch
+        d, arch = cfg.width, cfg.arch
         if arch == 'mixer':
-            layers = [TokenMixing(cfg, direction), MLP(d, 4 * d)]
-        elif arch == 'llama':
-            layers = [Attention(cfg, direction), SwiGLU(d, 4 * d)]
-        elif arch == 'gpt':
-            layers = [Attention(cfg, direction), MLP(d, 4 * d, approximate='tanh')]
-        elif arch == 'hybrid':  # the blog's orderings; attn_mix (mixing right after attention) its best
+            mixers, self.ffn = [TokenMixing(cfg, direction)], MLP(d, 4 * d)
+        elif arch in ('llama', 'gpt'):
+            mixers = [Attention(cfg, direction)]
+            self.ffn = SwiGLU(d, 4 * d) if arch == 'llama' else MLP(d, 4 * d, 'tanh')
+        elif arch == 'hybrid':  # the blog's orderings of attention and a masked mixing
             attn, mix = Attention(cfg, direction), TokenMixing(cfg, direction)
-            orders = {'attn_mix': [attn, mix], 'mix_attn': [mix, attn], 'parallel': [Parallel([attn, mix])]}
-            layers = orders[cfg.hybrid_order] + [SwiGLU(d, 4 * d)]
-        elif arch == 'gmlp':
-            layers = [GatedMLP(cfg, direction)]
+            mixers = {'attn_mix': [attn, mix], 'mix_attn': [mix, attn],
+                      'parallel': [Parallel([attn, mix])]}[cfg.hybrid_order]
+            self.ffn = SwiGLU(d, 4 * d)
+        elif arch == 'gmlp':  # one sublayer: the gated MLP holds the spatial mixing
+            mixers, self.ffn = [GatedMLP(cfg, direction)], None
         else:
-            layers = [ELiTAAttention(cfg), ELiTAFeedForward(d)]
-        self.layers = nn.ModuleList(layers)
-        self.norms = nn.ModuleList(norm_layer(cfg) for _ in layers)
+            mixers, self.ffn = [ELiTAAttention(cfg)], ELiTAFeedForward(d)
+        self.mixers = nn.ModuleList(mixers)
+        self.norms = nn.ModuleList(norm_layer(cfg) for _ in range(len(mixers) + bool(self.ffn)))
         self.post_norm = arch == 'gpt'
 
-    def forward(self, x, ctx):  # (B, T, d) -> (B, T, d)
-        for norm, layer in zip(self.norms, self.layers):
-            x = norm(x + layer(x, ctx)) if self.post_norm else x + layer(norm(x), ctx)
+    def forward(self, x, pos=0, cache=None, mask=None):  # (B, T, d) -> (B, T, d)
+        for norm, mixer in zip(self.norms, self.mixers):
+            x = norm(x + mixer(x, pos, cache, mask)) if self.post_norm else \
+                x + mixer(norm(x), pos, cache, mask)
+        if self.ffn is not None:
+            norm = self.norms[-1]
+            x = norm(x + self.ffn(x)) if self.post_norm else x + self.ffn(norm(x))
         return x
 
 
 class Backbone(nn.Module):
-    """Token embedding (optional) -> positions (optional) -> blocks -> final norm."""
+    """Token embedding (optional) -> positions (optional) -> blocks -> final norm: (B, T, d)."""
 
     def __init__(self, cfg, direction='causal', embed=True):
         super().__init__()
@@ -277,52 +294,50 @@ class Backbone(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model) if embed else None
         self.wpe = nn.Embedding(cfg.n_ctx, cfg.d_model) if cfg.pos_emb else None
         self.blocks = nn.ModuleList(Block(cfg, direction) for _ in range(cfg.n_layers))
-        self.norm = nn.Identity() if cfg.arch in ('mixer', 'gpt') else norm_layer(cfg)  # paper's mixer, GPT-1: none
-        # hidden(keep) can skip pad columns exactly: causal mixings share them, RoPE attention drops them;
-        # 'half' blanks from half the input's length on, which a shorter pass would move
+        # the paper's mixer and GPT-1 have no final norm
+        self.norm = nn.Identity() if cfg.arch in ('mixer', 'gpt') else norm_layer(cfg)
+        # hidden(keep) may skip pad columns: causal mixings share them, RoPE attention drops them
         self.trims = embed and cfg.objective != 'half' and (
             cfg.arch == 'llama' or (cfg.arch in ('mixer', 'gmlp') and direction == 'causal'))
 
-    def forward(self, x, ctx):  # idx (B, T) or embeddings (B, T, d) -> (B, T, d)
+    def forward(self, x, pos=0, cache=None, mask=None):  # idx (B, T) or embeddings (B, T, d)
+        cfg, T = self.cfg, x.shape[1]
         if self.wte is not None:
-            check_tokens(x, self.cfg, ctx.pos)
+            check_tokens(x, cfg, pos)
             x = self.wte(x)
-        elif ctx.pos + x.shape[1] > self.cfg.n_ctx:
-            raise ValueError(f"sequence of {x.shape[1]} positions exceeds n_ctx={self.cfg.n_ctx}")
+        elif pos + T > cfg.n_ctx:
+            raise ValueError(f"sequence of {pos + T} positions exceeds n_ctx={cfg.n_ctx}")
         if self.wpe is not None:
-            x = x + self.wpe.weight[ctx.pos:ctx.pos + x.shape[1]]
-        pos = torch.arange(ctx.pos, ctx.pos + x.shape[1], device=x.device)
-        if self.cfg.pos_channel != 'none':
-            x = self.with_position(x, pos)
-        split = self.cfg.n_layers // 2 if self.cfg.objective == 'half' else -1
+            x = x + self.wpe.weight[pos:pos + T]
+        at = torch.arange(pos, pos + T, device=x.device)
+        if cfg.pos_channel != 'none':  # the blog's ablation: the centred position, appended
+            centred = (at - cfg.n_ctx // 2).to(x.dtype)[None, :, None].expand(len(x), -1, 1)
+            x = torch.cat((x, centred), dim=-1)                         # (B, T, d_model + 1)
+        split = cfg.n_layers // 2 if cfg.objective == 'half' else -1
         for i, block in enumerate(self.blocks):
-            if i == split:  # half-sequence prediction: the second half only sees the first half
-                x = x * (pos < half_split(ctx.pos + x.shape[1]))[None, :, None]
-            x = block(x, ctx)
-            if self.cfg.pos_channel == 'every':
-                x = self.with_position(x, pos)
-        return self.norm(x)
-
-    def with_position(self, x, pos):
-        """The blog's positional channel: the last of d_model channels holds the centred position."""
-        centred = (pos - self.cfg.n_ctx // 2).to(x.dtype)[None, :, None].expand(x.shape[0], -1, 1)
-        return torch.cat((x[..., :-1], centred), dim=-1)
+            if i == split:  # half-sequence prediction: the second half only sees the first
+                x = x * (at < half_split(pos + T))[None, :, None]
+            x = block(x, pos, cache, mask)
+            if cfg.pos_channel == 'every':
+                x = torch.cat((x[..., :-1], centred), dim=-1)
+        return self.norm(x)[..., :cfg.d_model]  # the position channel is not a feature
 
     def hidden(self, idx, mask=None, keep=None):
-        """Hidden states (B, T, d) of idx (B, T), or only the last `keep`, exactly and without spending rows on
-        the first T - keep columns, which must be the same padding in every row. Causal mixers: pad-only
-        positions read only pads, so one batch-1 pass computes them for every row. Llama: pad keys are masked
-        and RoPE sees only relative positions, so pad columns are dropped. Other archs run the full window."""
+        """Hidden states (B, T, d) of idx, or of its last `keep` positions only, exactly, without
+        spending rows on the first T - keep columns, which must be the same padding in every
+        row. Causal mixers: those columns are one batch-1 prefill of a Cache whose state every
+        row reads. Llama: pad keys are masked and RoPE is relative, so they are dropped."""
         cut = 0 if keep is None else idx.shape[1] - keep
         if cut <= 0 or not self.trims or (mask is None and self.cfg.arch == 'llama'):
-            return self(idx, Context(mask=mask))[:, max(cut, 0):]
+            return self(idx, mask=mask)[:, max(cut, 0):]
         if (mask is not None and mask[:, :cut].any()) or not (idx[:, :cut] == idx[:1, :cut]).all():
-            raise ValueError(f"hidden(keep={keep}): the first {cut} columns must be the same padding in every row")
+            raise ValueError(f"hidden(keep={keep}): the first {cut} columns must be the same "
+                             f"padding in every row")
         if self.cfg.arch == 'llama':
-            return self(idx[:, cut:], Context(mask=None if mask is None else mask[:, cut:]))
-        shared = {}
-        self(idx[:1, :cut], Context(shared=shared))                     # (1, cut, d): the pad prefix, once
-        return self(idx[:, cut:], Context(pos=cut, shared=shared))
+            return self(idx[:, cut:], mask=None if mask is None else mask[:, cut:])
+        cache = Cache(self.cfg.n_ctx)
+        self(idx[:1, :cut], 0, cache)                         # the pad prefix, once
+        return self(idx[:, cut:], cut, cache)
 
 
 def check_tokens(idx, cfg, pos=0):
@@ -331,20 +346,16 @@ def check_tokens(idx, cfg, pos=0):
     if pos + idx.shape[1] > cfg.n_ctx:
         raise ValueError(f"sequence of {pos + idx.shape[1]} tokens exceeds n_ctx={cfg.n_ctx}: "
                          f"crop it or train with a larger n_ctx")
-    checked = pos == 0 and not torch.compiler.is_compiling()  # decode steps feed sampled ids: no sync
+    # decode steps feed sampled ids (no sync); meta tensors (FLOP counting) have no values
+    checked = pos == 0 and not torch.compiler.is_compiling() and idx.device.type != 'meta'
     if checked and idx.numel() and (idx.min() < 0 or idx.max() >= cfg.vocab_size):
         raise ValueError(f"token ids must lie in [0, vocab_size={cfg.vocab_size}), got "
                          f"[{int(idx.min())}, {int(idx.max())}]")
 
 
-def param_versions(model):
-    """In-place writes to each parameter so far (optimizer steps, load_state_dict): tells a frozen graph is stale."""
-    return [p._version for p in model.parameters()]
-
-
 def add_lm_head(model, cfg, wte):
-    """The lm head, then the init: transformers get the usual N(0, 0.02) (HF Llama / GPT-1); mixers
-    keep PyTorch's defaults, as the paper did, and mixings their own."""
+    """The lm head, then the init: transformers N(0, 0.02) (HF Llama, GPT-1); mixers keep
+    PyTorch's defaults, as the paper did."""
     model.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
     if cfg.arch in ('llama', 'gpt', 'hybrid'):
         for mod in model.modules():
@@ -365,19 +376,24 @@ class LanguageModel(nn.Module):
         self.backbone = Backbone(cfg, 'causal' if cfg.causal else 'none')
         add_lm_head(self, cfg, self.backbone.wte)
 
-    def hidden(self, idx, mask=None, keep=None):
-        """Last hidden states (B, T, d_model), the lm head's input (keep: see Backbone.hidden)."""
-        return self.backbone.hidden(idx, mask, keep)
-
-    def forward(self, idx, targets=None, mask=None):
-        logits = self.lm_head(self.hidden(idx, mask))
+    def forward(self, idx, targets=None, cache=None, pos=0, mask=None):
+        logits = self.lm_head(self.backbone(idx, pos, cache, mask))    # (B, T, vocab_size)
         loss = None
         if targets is not None:
             loss = lm_loss(logits, targets)
-            if self.cfg.objective == 'mtp2':  # paper 5.2: a second pass on the model's own argmax
-                logits2 = self.lm_head(self.hidden(logits.argmax(-1), mask))  # logits2[t] -> token t+2
+            if self.cfg.objective == 'mtp2':  # paper §5.2: a second pass on the model's own argmax
+                logits2 = self.lm_head(self.backbone(logits.argmax(-1), mask=mask))  # -> t + 2
                 loss = loss + lm_loss(logits2[:, :-1], targets[:, 1:])
         return logits, loss
+
+    def hidden(self, idx, mask=None, keep=None):
+        """Last hidden states (B, T, d_model), the lm head's input (keep: Backbone.hidden)."""
+        return self.backbone.hidden(idx, mask, keep)
+
+    def step(self, idx, pos, cache):
+        """Logits (B, vocab) after idx (B, T) at window positions [pos, pos + T), reading and
+        extending cache: a cached decoding step, a function of its arguments (compilable)."""
+        return self.lm_head(self.backbone(idx, pos, cache)[:, -1]).float()
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, **kw):
@@ -387,37 +403,26 @@ class LanguageModel(nn.Module):
 
     @torch.no_grad()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-               method='cache', generator=None, compile=False):
-        """Yield (token (B,), logits (B, vocab)) for each new token. method='window' is the paper's generation
-        (§4.2): the whole n_ctx window runs again for each token, O(n^3 d) per window for a mixer. method='cache'
-        keeps what each position contributed (mixer inputs, keys/values, ELiTA's running sums) and runs only the
-        new position, O(n^2 d), the same numbers up to float rounding. A full window slides alike in both: its
-        last n_ctx/2 tokens are re-encoded at the window start. compile=True runs the cached steps through
-        torch.compile, one dynamic-shape graph for every position (seconds to a minute once; on CPU with the weights
-        frozen in: see compile_step)."""
-        cfg = self.cfg
-        if cfg.objective == 'half' or not cfg.causal:
+               method='cache', generator=None, step=None):
+        """Yield (token (B,), logits (B, vocab)) per new token. method='window' is the paper's
+        (§4.2): the whole window runs again for each token, O(n^3 d) per window for a mixer.
+        method='cache' keeps what each position contributed in a Cache and runs only the new
+        position, O(n^2 d), the same numbers up to float rounding. A full window slides alike in
+        both: its last n_ctx/2 tokens are re-encoded at the window start. step: a replacement for
+        self.step on one new token (sample.py's compiled step)."""
+        if self.cfg.objective == 'half' or not self.cfg.causal:
             raise ValueError("generation needs a causal next-token model (objective clm or mtp2)")
-        if method not in ('cache', 'window'):
-            raise ValueError(f"method={method!r}: use 'cache' or 'window'")
-        n = cfg.n_ctx
-        cache = {} if method == 'cache' else None
-        step = self.decode_step
-        if compile and method == 'cache':
-            if getattr(self, '_compiled_step', None) is None:  # compiled once per model and process
-                self._compiled_step = self.compile_step()
-            if getattr(self, '_frozen_versions', None) not in (None, param_versions(self)):
-                raise ValueError("the weights changed after stream(compile=True) froze them into the compiled step; "
-                                 "decode with compile=False, or compile a fresh copy of the model")
-            step = self._compiled_step
+        one_of('method', method, ('cache', 'window'))
+        n, step = self.cfg.n_ctx, step or self.step
+        cache = Cache(n) if method == 'cache' else None
 
         def next_logits(window, new):  # logits after `window`, whose last `new` tokens are unseen
             length = window.shape[1]
-            if cache is None:  # one full forward over the padded window (causal: filler is unseen)
-                h = self.backbone(F.pad(window, (0, n - length)), Context())[:, length - 1]
+            if cache is None:  # a full forward over the padded window (causal: filler is unseen)
+                h = self.backbone(F.pad(window, (0, n - length)))[:, length - 1]
                 return self.lm_head(h).float()
-            if new == length:  # the prompt (or a slid window) in one pass at position 0, eager
-                return self.decode_step(window, 0, cache)
+            if new == length:  # the prompt (or a slid window) in one pass at position 0
+                return self.step(window, 0, cache)
             return step(window[:, -1:], length - 1, cache)
 
         window = idx[:, -n:]
@@ -432,55 +437,61 @@ class LanguageModel(nn.Module):
             else:
                 logits = next_logits(window, 1)
 
-    def decode_step(self, tok, pos, cache):
-        """Logits (B, vocab) after tokens tok (B, T) at window positions [pos, pos + T), reading and
-        extending cache: the cached decoding step, a function of its arguments so it can be compiled."""
-        return self.lm_head(self.backbone(tok, Context(pos=pos, cache=cache))[:, -1]).float()
 
-    def compile_step(self):
-        """decode_step through torch.compile: one dynamic-shape graph for every position. On CPU the weights are
-        frozen into it as constants (inductor's freezing), so that max-autotune can repack each Linear for its own
-        GEMV kernel, bias and GELU fused in, and dynamo checks the weights by identity only: a batch-1 step runs
-        ~1.2-1.3x faster (README). Frozen means later changes to the weights are not seen: stream() then refuses."""
-        if next(self.parameters()).device.type != 'cpu':
-            return torch.compile(self.decode_step, dynamic=True)
-        compiled = torch.compile(self.decode_step, dynamic=True, options=dict(max_autotune=True))
-        config, self._frozen_versions = torch._inductor.config, param_versions(self)
-
-        def step(tok, pos, cache):  # dynamo reads `freezing` as it traces, inside the call (patch() costs ~40 us)
-            frozen, config.freezing = config.freezing, True
-            try:
-                return compiled(tok, pos, cache)
-            finally:
-                config.freezing = frozen
-        return step
-
-    def decode_layout(self):
-        """Store each CPU Linear weight with its longer side contiguous (same values; returns self). A
-        batch-1 step is one GEMV per weight, and MKL streams a weight ~2x faster along its long side
-        (AVX2 EPYC: the 8000 x 256 lm_head at 10 GB/s row-major, 26 GB/s column-major)."""
-        for mod in self.modules():
-            w = getattr(mod, 'weight', None)
-            if isinstance(mod, nn.Linear) and w.device.type == 'cpu' and w.shape[0] > w.shape[1]:
-                w.data = w.data.t().contiguous().t()
-        return self
+def sample_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """One token per row of logits (B, V); temperature 0 is greedy."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float('-inf'))
+    if top_p is not None and top_p < 1.0:
+        probs, order = logits.sort(dim=-1, descending=True)
+        probs = probs.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p   # keep the smallest prefix reaching top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float('-inf'))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 
 
-# ----------------------------------------------------------------------------- baselines: llama and GPT-1
+def lm_loss(logits, targets):
+    """Mean cross-entropy over the positions whose target is not -1."""
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-1)
+
+
+def objective_targets(objective, x, y, mask=None):
+    """Targets for an objective from the loader's inputs x and next-token targets y (-1 = none).
+    mask: (B, T) True on real tokens of x (None = no padding)."""
+    if objective in ('clm', 'mtp2', 'bidirectional'):
+        return y
+    t = x if mask is None else x.masked_fill(~mask, -1)      # autoencoder: every input token
+    if objective == 'half':                                   # the second half from the first
+        t = t.clone()
+        t[:, :half_split(x.shape[1])] = -1
+    return t
+
+
+def half_split(length):
+    """Objective half: the first predicted position of a length-T input (where the backbone's
+    blanking and objective_targets' training both start)."""
+    return length // 2
+
+
+# ----------------------------------------------------------------------------- baselines: Llama and GPT-1
 
 def attend(q, k, v, direction, pos, key_mask):
-    """softmax(q k^T / sqrt(d) + mask) v for queries q (B, H, T, d) at [pos, pos + T), keys and values (B, H, S, d)
-    at [0, S). On GPU: SDPA's flash / memory-efficient kernels. On CPU the plain bf16 matmuls are ~2x faster than
-    SDPA's CPU flash kernel (fwd + bwd, T = 512), at the cost of O(T^2) activation memory. One query (a cached
-    decoding step) takes the plain path everywhere: two GEMVs, where SDPA on an H100 planned afresh for each
-    new key length (60 ms a token)."""
+    """softmax(q k^T / sqrt(d) + mask) v, queries q (B, H, T, d) at [pos, pos + T), keys and values
+    (B, H, S, d) at [0, S). GPU: SDPA's fused kernels. CPU: plain matmuls (~2x faster than SDPA's
+    CPU flash kernel in bf16, fwd + bwd, T 512). One query (a decoding step) is two GEMVs
+    everywhere: SDPA on an H100 planned afresh for each new key length."""
     t, s = q.shape[2], k.shape[2]
     mask, is_causal = None, False
     if key_mask is not None or direction == 'reverse' or (direction == 'causal' and t not in (s, 1)):
-        qi, ki = torch.arange(pos, pos + t, device=q.device)[:, None], torch.arange(s, device=q.device)[None, :]
+        qi = torch.arange(pos, pos + t, device=q.device)[:, None]
+        ki = torch.arange(s, device=q.device)[None, :]
         mask = {'causal': ki <= qi, 'reverse': (ki >= qi + 2) | (ki == qi), 'none': ki >= 0}[direction]
-        if key_mask is not None:  # padding keys are never read, but a query may always read itself,
-            mask = mask & (key_mask[:, None, None, :] | (ki == qi))  # so no row is empty (no NaN)
+        if key_mask is not None:  # pad keys are never read, but a query reads itself (no NaN row)
+            mask = mask & (key_mask[:, None, None, :] | (ki == qi))
     else:  # no mask, or SDPA's own causal one
         is_causal = direction == 'causal' and t > 1
     if q.device.type != 'cpu' and t > 1:
@@ -494,11 +505,11 @@ def attend(q, k, v, direction, pos, key_mask):
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention. llama/hybrid: RoPE, no biases; gpt: biases (positions are learned)."""
+    """Multi-head self-attention. llama/hybrid: RoPE, no biases; gpt: biases, learned positions."""
 
     def __init__(self, cfg, direction):
         super().__init__()
-        d, self.heads, self.direction, self.n_ctx = cfg.d_model, cfg.n_heads, direction, cfg.n_ctx
+        d, self.heads, self.direction = cfg.d_model, cfg.n_heads, direction
         self.rope = cfg.arch != 'gpt'
         self.qkv = nn.Linear(d, 3 * d, bias=not self.rope)
         self.proj = nn.Linear(d, d, bias=not self.rope)
@@ -510,23 +521,19 @@ class Attention(nn.Module):
             self.register_buffer('sin', angle.sin(), persistent=False)
 
     def rotate(self, x, pos):  # RoPE on (..., T, hd); pairs are (x[j], x[j + hd/2])
-        cos, sin = (t[pos:pos + x.shape[-2]].to(x.dtype) for t in (self.cos, self.sin))  # no bf16 -> fp32
+        cos, sin = (t[pos:pos + x.shape[-2]].to(x.dtype) for t in (self.cos, self.sin))
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
-    def forward(self, x, ctx):  # (B, T, d) -> (B, T, d)
+    def forward(self, x, pos=0, cache=None, mask=None):  # (B, T, d) -> (B, T, d)
         qkv = self.qkv(x).reshape(*x.shape[:-1], 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         q, k, v = qkv                                                  # (B, H, T, hd) each
         if self.rope:
-            q, k = self.rotate(qkv[:2], ctx.pos)
-        if ctx.cache is not None:  # KV cache
-            kv = ctx.cache.get(self)
-            if kv is None or ctx.pos == 0:
-                kv = ctx.cache[self] = k.new_zeros(2, *k.shape[:2], self.n_ctx, k.shape[-1])
-            end = ctx.pos + k.shape[2]
-            kv[:, :, :, ctx.pos:end] = torch.stack((k, v))
-            k, v = kv[:, :, :, :end]
-        return self.proj(attend(q, k, v, self.direction, ctx.pos, ctx.mask).transpose(1, 2).flatten(2))
+            q, k = self.rotate(qkv[:2], pos)
+        if cache is not None:  # the KV cache
+            k, v = cache.extend((self, 'k'), k, pos), cache.extend((self, 'v'), v, pos)
+        y = attend(q, k, v, self.direction, pos, mask)                # (B, H, T, hd)
+        return self.proj(y.transpose(1, 2).flatten(2))
 
 
 class SwiGLU(nn.Module):
@@ -537,38 +544,40 @@ class SwiGLU(nn.Module):
         self.w13 = nn.Linear(d, 2 * hidden, bias=False)
         self.w2 = nn.Linear(hidden, d, bias=False)
 
-    def forward(self, x, ctx=None):
+    def forward(self, x):
         a, b = self.w13(x).chunk(2, dim=-1)
         return self.w2(F.silu(a) * b)
 
 
-# ----------------------------------------------------------------------------- extras: hybrid, gMLP, ELiTA
+# ----------------------------------------------------------------------------- hybrid, gMLP, ELiTA
 
 class Parallel(nn.ModuleList):
     """Sublayers side by side on one normed input, outputs added (the parallel hybrid)."""
 
-    def forward(self, x, ctx):
-        return sum(layer(x, ctx) for layer in self)
+    def forward(self, x, pos=0, cache=None, mask=None):
+        return sum(layer(x, pos, cache, mask) for layer in self)
 
 
 class GatedMLP(nn.Module):
-    """gMLP's block body: up-projection, GELU, Spatial Gating Unit, down-projection. SGU: split the
-    channels into u, v; v = spatial(LayerNorm(v)), a masked n_ctx x n_ctx mixing; out u * v."""
+    """gMLP's block body: up-projection, GELU, Spatial Gating Unit, down-projection. SGU: split
+    the channels into u, v; v = spatial(LayerNorm(v)), a masked n_ctx x n_ctx mixing; out u * v."""
 
     def __init__(self, cfg, direction, ffn_mult=6):
         super().__init__()
         d, n, half = cfg.d_model, cfg.n_ctx, ffn_mult * cfg.d_model // 2
         self.up, self.down = nn.Linear(d, 2 * half), nn.Linear(half, d)
         self.norm = nn.LayerNorm(half)
-        self.spatial = Mixing(n, n, half, direction=direction)
-        with torch.no_grad():  # gMLP's init, W near 0 and b = 1: the block starts as a plain feed-forward
+        self.spatial = Mixing(n, n, direction=direction)
+        with torch.no_grad():  # gMLP's init, W near 0 and b = 1: it starts as a plain feed-forward
             self.spatial.weight.uniform_(-0.01 / n, 0.01 / n)
             self.spatial.bias.fill_(1.0)
 
-    def forward(self, x, ctx):
+    def forward(self, x, pos=0, cache=None, mask=None):
         u, v = F.gelu(self.up(x)).chunk(2, dim=-1)
-        v = self.spatial(self.norm(v)[:, None], ctx, v.shape[1])[:, 0]
-        return self.down(u * v)
+        v = self.norm(v)[:, None]                                         # (B, 1, T, half)
+        if cache is not None:
+            v = cache.extend(self, v, pos)
+        return self.down(u * self.spatial(v, pos, x.shape[1])[:, 0])
 
 
 class ELiTAAttention(nn.Module):
@@ -590,26 +599,27 @@ class ELiTAAttention(nn.Module):
         self.phase = nn.Parameter(2 * math.pi * torch.rand(2, h, hd))      # b1, b2
         self.c = nn.Parameter(torch.randn(h, hd) / math.sqrt(hd))
 
-    def forward(self, x, ctx):  # (B, T, d) -> (B, T, d)
+    def forward(self, x, pos=0, cache=None, mask=None):  # (B, T, d) -> (B, T, d)
         B, T, _ = x.shape
         dt = torch.promote_types(x.dtype, torch.float32)  # the scan runs in at least fp32
-        i = torch.arange(ctx.pos, ctx.pos + T, device=x.device, dtype=dt) / self.n_ctx
+        i = torch.arange(pos, pos + T, device=x.device, dtype=dt) / self.n_ctx
         p = torch.sin(i[None, None, :, None] * self.freq[:, :, None] + self.phase[:, :, None])
         p = (p * self.c[None, :, None]).sum(-1)                         # (2, H, T): c.p1_j, c.p2_i
         k1, k2, k3 = rearrange(self.keys(x).to(dt), 'b t (n h) -> n b h t', n=3)
         key, diag, query = k1 + p[0], k2, k3 + p[1]                     # (B, H, T) logits
         v = rearrange(self.value(x).to(dt), 'b t (h c) -> b h t c', h=self.heads)
-        state = ctx.cache.get(self) if ctx.cache is not None and ctx.pos > 0 else None
+        state = cache.get(self) if cache is not None and pos > 0 else None
         if state is None:  # empty sums: running max -inf, sums 0
-            state = (key.new_full((B, self.heads), float('-inf')), v.new_zeros(B, self.heads, v.shape[-1]),
-                     key.new_zeros(B, self.heads))
+            state = (key.new_full((B, self.heads), float('-inf')),
+                     v.new_zeros(B, self.heads, v.shape[-1]), key.new_zeros(B, self.heads))
         ys = []
         for a in range(0, T, ELITA_CHUNK):
             chunk = slice(a, a + ELITA_CHUNK)
-            y, state = self.scan(key[..., chunk], diag[..., chunk], query[..., chunk], v[:, :, chunk], state)
+            y, state = self.scan(key[..., chunk], diag[..., chunk], query[..., chunk],
+                                 v[:, :, chunk], state)
             ys.append(y)
-        if ctx.cache is not None:
-            ctx.cache[self] = state
+        if cache is not None:
+            cache[self] = state
         return self.proj(rearrange(torch.cat(ys, dim=2).type_as(x), 'b h t c -> b t (h c)'))
 
     @staticmethod
@@ -619,7 +629,7 @@ class ELiTAAttention(nn.Module):
         m = torch.maximum(m0[..., None], key.cummax(dim=-1).values)   # (B, H, L) running max
         L = key.shape[-1]
         causal = torch.ones(L, L, dtype=torch.bool, device=key.device).tril()
-        w = (key[..., None, :] - m[..., :, None]).masked_fill(~causal, float('-inf')).exp()  # (B,H,L,L)
+        w = (key[..., None, :] - m[..., :, None]).masked_fill(~causal, float('-inf')).exp()
         decay = torch.exp(m0[..., None] - m)                           # rescale the carried sums
         S = decay[..., None] * S0[:, :, None] + w @ v                  # (B, H, L, c)
         Z = decay * Z0[..., None] + w.sum(-1)                          # (B, H, L)
@@ -637,59 +647,18 @@ class ELiTAFeedForward(nn.Module):
         self.w1, self.w2 = nn.Linear(d, d), nn.Linear(d, scale)
         self.w3 = nn.Linear(d * scale, d)   # the i,j,ijk->k einsum as one matmul
 
-    def forward(self, x, ctx=None):
+    def forward(self, x):
         outer = F.silu(self.w1(x))[..., :, None] * F.silu(self.w2(x))[..., None, :]
         return self.w3(outer.flatten(-2))
-
-
-# ----------------------------------------------------------------------------- objectives and decoding
-
-def objective_targets(objective, x, y, mask=None):
-    """Targets for an objective from the loader's inputs x and next-token targets y (-1 = ignore).
-    mask: (B, T) True on real tokens of x (None = no padding)."""
-    if objective in ('clm', 'mtp2', 'bidirectional'):
-        return y
-    t = x if mask is None else x.masked_fill(~mask, -1)      # autoencoder: every input token
-    if objective == 'half':                                   # predict the second half from the first
-        t = t.clone()
-        t[:, :half_split(x.shape[1])] = -1
-    return t
-
-
-def half_split(length):
-    """Objective half: the first predicted position of a length-T input, where the backbone's blanking and
-    objective_targets' training both start."""
-    return length // 2
-
-
-def lm_loss(logits, targets):
-    """Mean cross-entropy over the positions whose target is not -1."""
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-1)
-
-
-def sample_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """One token per row of logits (B, V); temperature 0 is greedy."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    logits = logits / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float('-inf'))
-    if top_p is not None and top_p < 1.0:
-        probs, order = logits.sort(dim=-1, descending=True)
-        probs = probs.softmax(-1)
-        drop = probs.cumsum(-1) - probs > top_p   # keep the smallest prefix reaching top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float('-inf'))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 
 
 # ----------------------------------------------------------------------------- bidirectional, autoencoder, retrieval
 
 class BidirectionalLM(nn.Module):
-    """Paper §5.1, fig S11: a forward stream (tril) and a reverse stream (triu, offset 2) that
-    are added once, before the lm head, so logits[t] predicts token t+1 from tokens <= t and
-    >= t+2 and every token is trained in one pass. Mixing the streams more than once would
-    let token t+1 flow back into its own prediction. share_ffn: see __init__."""
+    """Paper §5.1, fig S11: a forward stream (tril) and a reverse stream (triu, offset 2), added
+    once, before the lm head, so logits[t] predicts token t+1 from tokens <= t and >= t+2 and
+    every token is trained in one pass (mixing the streams twice would let t+1 reach itself).
+    share_ffn: one feed-forward (and norm) per block serves both streams (the author's mixer)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -697,24 +666,25 @@ class BidirectionalLM(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.fwd = Backbone(cfg, 'causal', embed=False)
         self.rev = Backbone(cfg, 'reverse', embed=False)
-        if cfg.share_ffn:  # the author's code: one feed-forward (and its norm) per block serves both streams
+        if cfg.share_ffn:
             for f, r in zip(self.fwd.blocks, self.rev.blocks):
-                r.layers[-1], r.norms[-1] = f.layers[-1], f.norms[-1]
+                r.ffn, r.norms[-1] = f.ffn, f.norms[-1]
         add_lm_head(self, cfg, self.wte)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """Weights saved with a feed-forward per stream must not load into shared ones (one would win)."""
+        """Weights with a feed-forward per stream must not load into shared ones (one would win)."""
         fwd = dict(self.fwd.named_parameters())
         for name, p in self.rev.named_parameters(remove_duplicate=False):
             a, b = state_dict.get(f'{prefix}fwd.{name}'), state_dict.get(f'{prefix}rev.{name}')
             if p is fwd.get(name) and a is not None and b is not None and not torch.equal(a, b):
-                raise ValueError("these weights have a feed-forward per stream: build the model with share_ffn=False")
+                raise ValueError("these weights have a feed-forward per stream: "
+                                 "build the model with share_ffn=False")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def hidden(self, idx, mask=None):
         check_tokens(idx, self.cfg)
-        x, ctx = self.wte(idx), Context(mask=mask)
-        return self.fwd(x, ctx) + self.rev(x, ctx)
+        x = self.wte(idx)
+        return self.fwd(x, mask=mask) + self.rev(x, mask=mask)
 
     def forward(self, idx, targets=None, mask=None):
         logits = self.lm_head(self.hidden(idx, mask))
@@ -741,7 +711,7 @@ class Autoencoder(nn.Module):
         return self.hidden(idx, mask)[:, -1]
 
     def decode(self, z, length):  # (B, d_model) -> logits (B, length, vocab)
-        return self.lm_head(self.decoder(z[:, None, :].expand(-1, length, -1), Context()))
+        return self.lm_head(self.decoder(z[:, None, :].expand(-1, length, -1)))
 
     def forward(self, idx, targets=None, mask=None):
         logits = self.decode(self.encode(idx, mask), idx.shape[1])
@@ -749,106 +719,63 @@ class Autoencoder(nn.Module):
 
 
 class RetrievalMixer(nn.Module):
-    """Paper §6.2, fig 9: a bidirectional mixer over c embeddings [query, target_1 .. target_{c-1}]
+    """Paper §6.2, fig 9: an unmasked mixer over c embeddings [query, target_1 .. target_{c-1}]
     (no token embedding, no lm head) with a d_model -> 1 head: one logit per target."""
 
     def __init__(self, d_model, n_layers, c):
         super().__init__()
-        self.cfg = ModelConfig(vocab_size=1, n_ctx=c, d_model=d_model, n_layers=n_layers, causal=False)
+        self.cfg = ModelConfig(vocab_size=1, n_ctx=c, d_model=d_model, n_layers=n_layers,
+                               causal=False)
         self.backbone = Backbone(self.cfg, 'none', embed=False)
         self.head = nn.Linear(d_model, 1)
 
     def forward(self, x, labels=None):  # x (B, c, d) -> logits (B, c - 1); labels index targets
-        logits = self.head(self.backbone(x, Context()))[..., 0][:, 1:]
+        logits = self.head(self.backbone(x))[..., 0][:, 1:]
         return logits, None if labels is None else F.cross_entropy(logits.float(), labels)
 
 
 def build_model(cfg):
     """The model for cfg.objective: LanguageModel, Autoencoder or BidirectionalLM."""
-    return {'autoencoder': Autoencoder, 'bidirectional': BidirectionalLM}.get(cfg.objective, LanguageModel)(cfg)
+    models = {'autoencoder': Autoencoder, 'bidirectional': BidirectionalLM}
+    return models.get(cfg.objective, LanguageModel)(cfg)
 
 
-# =============================================================================================
-# accounting: parameter split, training FLOPs, decoding bytes, peak FLOP/s (reports and MFU)
-# =============================================================================================
-
-def param_counts(model):
-    """Parameters split as the paper does: token mixing (mixings, attention), feed-forward, embedding (token and
-    position tables, lm head) and other (norms, heads). mixing_effective leaves out the masked-mixing entries no
-    output depends on (about half of a causal n x n)."""
-    kinds = [('mixing', (TokenMixing, Mixing, Attention, ELiTAAttention)),
-             ('feedforward', (MLP, SwiGLU, ELiTAFeedForward, GatedMLP)), ('embedding', nn.Embedding)]
-    counts, seen = {}, set()
-    for kind, types in kinds:  # a parameter counts once, in the first kind that claims it
-        claimed = {id(p): p.numel() for name, mod in model.named_modules() for p in mod.parameters()
-                   if isinstance(mod, types) or (kind == 'embedding' and name.endswith('lm_head'))}
-        counts[kind] = sum(n for i, n in claimed.items() if i not in seen)
-        seen |= claimed.keys()
-    counts['other'] = sum(p.numel() for p in model.parameters() if id(p) not in seen)
-    counts['total'] = sum(counts.values())
-    reads = {id(t.mix): t.mix2.n_out for t in model.modules() if isinstance(t, TokenMixing) and t.mix2 is not None}
-    unused = 0  # masked entries, and the rows of an expanded mixing that the next one never reads
-    for m in (m for m in model.modules() if isinstance(m, Mixing)):
-        rows = min(m.n_out, reads.get(id(m), m.n_out))
-        kept = int(allowed_positions(m.direction, rows, m.n_in, 0, 'cpu').sum())
-        per_row = m.bias[..., 0, 0].numel()                          # n_convs x heads (x kernel for weights)
-        unused += m.weight.numel() + m.bias.numel() - m.weight[..., 0, 0].numel() * kept - per_row * rows
-    counts['mixing_effective'] = counts['mixing'] - unused
-    return counts
-
+# ----------------------------------------------------------------------------- FLOPs for MFU
 
 def flops_per_token(cfg):
-    """Training FLOPs per token, counted the PaLM way: 6 x (all parameters but the embedding tables and the
-    mixers' position-mixing weights and biases; the lm head included), plus per layer 6 n_ctx d_model per masked
-    mixing (x kernel, x2 for expanded: 12 e n_ctx d) and 12 n_ctx d_model per attention. No discount for the
-    causal mask. mtp2 runs two passes."""
+    """Training FLOPs per token, forward + backward, PaLM's count: 6 per weight a token passes
+    through (not the embedding tables or the mixing matrices; the lm head counts), plus 6 x
+    (rows computed) x channels per mixing and 12 n_ctx d per attention. Counted per use, by
+    tracing one forward on the meta device: a shared feed-forward runs on both streams, mtp2's
+    second pass counts. No discount for the causal mask."""
     with torch.device('meta'):
         model = build_model(cfg)
-    matmul_params = {id(p): p.numel() for p in model.parameters()}
-    flops = 0
-    for mod in model.modules():
-        if isinstance(mod, nn.Embedding) and mod.weight is not model.lm_head.weight:
-            matmul_params.pop(id(mod.weight), None)
-        elif isinstance(mod, Mixing):
-            matmul_params.pop(id(mod.weight), None)
-            matmul_params.pop(id(mod.bias), None)
-            flops += 6 * mod.weight[..., 0, 0].numel() * mod.n_out * mod.n_in * mod.channels / cfg.n_ctx
-        elif isinstance(mod, Attention):
-            flops += 12 * cfg.n_ctx * cfg.d_model
-        elif isinstance(mod, ELiTAAttention):
-            flops += 6 * min(ELITA_CHUNK, cfg.n_ctx) * cfg.d_model
-    flops += 6 * sum(matmul_params.values())
-    return flops * (2 if cfg.objective == 'mtp2' else 1)
+        flops = []
 
-
-def decode_bytes(model, pos, batch=1, cached=True):
-    """Bytes one decoding step at window position pos reads: every weight once in its storage dtype, except that
-    an embedding table gives a row per sequence and a masked mixing its row pos, plus per sequence the cache rows
-    read (mixing inputs, keys and values); not activations or writes. cached=False (window): all parameter bytes,
-    a loose figure for a step that is compute-bound."""
-    if not cached:
-        return sum(p.numel() * p.element_size() for p in model.parameters())
-    lm_head = getattr(model, 'lm_head', None)
-    total, counted = 0, set()
-    for mod in model.modules():
-        if isinstance(mod, Mixing):
-            size, cols = mod.weight.element_size(), min(pos + 1, mod.n_in)
-            if pos < mod.n_out:  # row pos of the weights and bias, the cached inputs it mixes
-                total += (mod.weight[..., 0, :cols].numel() + mod.heads * (1 + batch * cols * mod.channels)) * size
-            counted |= {id(mod.weight), id(mod.bias)}
-        elif isinstance(mod, Attention):  # keys and values of positions <= pos
-            total += batch * 2 * (pos + 1) * mod.qkv.in_features * mod.qkv.weight.element_size()
-        elif isinstance(mod, nn.Embedding) and (lm_head is None or mod.weight is not lm_head.weight):
-            total += batch * mod.embedding_dim * mod.weight.element_size()
-            counted.add(id(mod.weight))
-    return total + sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in counted)
+        def count(mod, inputs, out):
+            x = inputs[0]
+            if isinstance(mod, nn.Linear):
+                flops.append(6 * mod.weight.numel() * x[..., 0].numel())
+            elif isinstance(mod, Mixing):  # rows x (inputs read) x channels, per head and kernel
+                flops.append(6 * mod.weight[..., 0, 0].numel() * out.shape[2] * x.shape[2] * x.shape[0]
+                             * x.shape[3])
+            elif isinstance(mod, Attention):
+                flops.append(12 * x.shape[0] * x.shape[1] ** 2 * x.shape[2])
+            elif isinstance(mod, ELiTAAttention):  # the scan's masked block products
+                flops.append(6 * x.shape[0] * x.shape[1] * min(ELITA_CHUNK, x.shape[1]) * x.shape[2])
+        hooks = [m.register_forward_hook(count) for m in model.modules()]
+        idx = torch.zeros(1, cfg.n_ctx, dtype=torch.long)
+        model(idx, targets=idx)
+        for h in hooks:
+            h.remove()
+    return sum(flops) / cfg.n_ctx
 
 
 def measure_peak_flops(device='cpu', dtype=torch.float32, budget=0.25):
-    """The denominator of MFU: the best FLOP/s of a square matmul in dtype on device. The size starts
-    small and doubles (up to 4096) while the next size fits in what is left of `budget` seconds, so the
-    probe is quick on a fast GPU and on a CPU that emulates bf16 alike. On a CPU one thread is timed and
-    scaled by the thread count: small matmuls on several threads measure thread wake-ups, not arithmetic."""
+    """MFU's denominator: the best FLOP/s of a square matmul in dtype. The size doubles from
+    128 (up to 4096) while the next fits in what is left of `budget` seconds, so the probe is
+    quick on a GPU and on a CPU that emulates bf16 alike. On a CPU one thread is timed and scaled
+    by the thread count: small matmuls on several threads measure wake-ups, not arithmetic."""
     cuda = torch.device(device).type == 'cuda'
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     threads = torch.get_num_threads()
@@ -865,7 +792,7 @@ def measure_peak_flops(device='cpu', dtype=torch.float32, budget=0.25):
                 sync()
                 dt = min(dt, time.perf_counter() - t0)
             best = max(best, 2 * n ** 3 / dt)
-            if n >= 4096 or time.perf_counter() + 4 * 8 * dt > deadline:  # 2n costs 8x per matmul
+            if n >= 4096 or time.perf_counter() + 4 * 8 * dt > deadline:  # 2n costs 8x
                 return best * (1 if cuda else threads)
             n *= 2
     finally:
