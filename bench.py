@@ -25,9 +25,12 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from model import Backbone, Context, ModelConfig, build_model, decode_bytes, flops_per_token, measure_peak_flops
+from model import (Attention, Backbone, ELiTAAttention, ELiTAFeedForward, GatedMLP, MLP, Mixing,
+                   ModelConfig, SwiGLU, TokenMixing, allowed, build_model, flops_per_token,
+                   measure_peak_flops)
 from prepare import LOWEST, Tokenizer, check_output_file, int_list, parse_args, run_main, write_atomic
 from retrieve import PairBatches, TextEncoder, info_nce
+from sample import compiled_step, decode_layout
 from train import (CHOICES, autocast, choose_dtype, configure_optimizer, load_checkpoint, load_meta,
                    model_from_checkpoint, resolve_device)
 
@@ -191,7 +194,7 @@ def memory_cell(s):
             backbone = Backbone(cfg).to(s.dev)
             idx = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx), device=s.dev)
             with autocast(s.dev, s.torch_dtype):
-                h = backbone(idx, Context())                            # (B, n_ctx, d_model)
+                h = backbone(idx)                                       # (B, n_ctx, d_model)
             h.float().sum().backward()
             sync(s.dev)
         peak = torch.cuda.max_memory_allocated(s.dev) if s.dev.type == 'cuda' else proc_status('VmHWM')
@@ -230,12 +233,12 @@ def bench_memory(s):
 
 # ----------------------------------------------------------------------------- generate
 
-def time_decoding(model, prompt, new_tokens, method, s):
+def time_decoding(model, prompt, new_tokens, method, s, step=None):
     """(prefill seconds to the first token, seconds per later token) of greedy generation."""
     stamps = []
     sync(s.dev)
     t0 = time.perf_counter()
-    for _ in model.stream(prompt, new_tokens, temperature=0, method=method, compile=s.compile):
+    for _ in model.stream(prompt, new_tokens, temperature=0, method=method, step=step):
         sync(s.dev)
         stamps.append(time.perf_counter())
     return stamps[0] - t0, (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
@@ -272,17 +275,19 @@ def bench_generate(s):
             raise ValueError(f"--prompt={s.prompt} plus --new_tokens={s.new_tokens} exceeds n_ctx={cfg.n_ctx}: "
                              f"shorten them or raise --n_ctx")
         torch.manual_seed(s.seed)
-        model = build_model(cfg).to(s.dev, s.torch_dtype).eval().decode_layout()  # as sample.py decodes
-        if s.compile:  # each model's step is one more graph of decode_step: stay under the recompile limit
+        model = decode_layout(build_model(cfg).to(s.dev, s.torch_dtype).eval())  # as sample.py does
+        step = None
+        if s.compile:  # each model's step is one more graph: stay under the recompile limit
             torch._dynamo.reset()
+            step = compiled_step(model)
         for batch in s.batch_size:
             prompt = torch.randint(cfg.vocab_size, (batch, s.prompt), generator=gen).to(s.dev)
             for method in methods if batch == s.batch_size[0] else [m for m in methods if m == 'cache']:
                 t0 = time.perf_counter()
-                time_decoding(model, prompt, 2, method, s)  # warm-up (with --compile: the compile)
+                time_decoding(model, prompt, 2, method, s, step)  # warm-up (--compile: the compile)
                 warmup = time.perf_counter() - t0
                 bandwidth = measure_read_bandwidth(s.dev)
-                prefill, per_token = time_decoding(model, prompt, s.new_tokens, method, s)
+                prefill, per_token = time_decoding(model, prompt, s.new_tokens, method, s, step)
                 positions = range(s.prompt, s.prompt + s.new_tokens - 1)  # those of the timed steps
                 step_bytes = statistics.mean(decode_bytes(model, p, batch, method == 'cache') for p in positions)
                 tps, ceiling = batch / per_token, batch * bandwidth / step_bytes
@@ -329,6 +334,62 @@ def bench_retrieval(s):
     return rows
 
 
+# ----------------------------------------------------------------------------- accounting
+
+def param_counts(model):
+    """Parameters split as the paper does: token mixing (mixings, attention), feed-forward,
+    embedding (token and position tables, lm head) and other (norms, heads). mixing_effective
+    leaves out the mixing entries no output depends on (masked ones, never-read hidden rows)."""
+    kinds = [('mixing', (TokenMixing, Mixing, Attention, ELiTAAttention)),
+             ('feedforward', (MLP, SwiGLU, ELiTAFeedForward, GatedMLP)), ('embedding', torch.nn.Embedding)]
+    counts, seen = {}, set()
+    for kind, types in kinds:  # a parameter counts once, in the first kind that claims it
+        claimed = {id(p): p.numel() for name, mod in model.named_modules() for p in mod.parameters()
+                   if isinstance(mod, types) or (kind == 'embedding' and name.endswith('lm_head'))}
+        counts[kind] = sum(n for i, n in claimed.items() if i not in seen)
+        seen |= claimed.keys()
+    counts['other'] = sum(p.numel() for p in model.parameters() if id(p) not in seen)
+    counts['total'] = sum(counts.values())
+    reads = {id(t.mix): t.mix2.weight.shape[-1] for t in model.modules()  # rows mix2 reads
+             if isinstance(t, TokenMixing) and t.mix2 is not None}
+    unused = 0
+    for m in (m for m in model.modules() if isinstance(m, Mixing)):
+        n_out = m.weight.shape[-2]
+        rows = min(n_out, reads.get(id(m), n_out))
+        kept = int(allowed(m.direction, m.weight[..., :rows, :], 0).sum())
+        unused += m.weight.numel() + m.bias.numel() - m.weight[..., 0, 0].numel() * kept \
+            - m.bias.shape[0] * rows
+    counts['mixing_effective'] = counts['mixing'] - unused
+    return counts
+
+
+def decode_bytes(model, pos, batch=1, cached=True):
+    """Bytes one decoding step at window position pos reads: every weight once in its storage
+    dtype, except that an embedding table gives a row per sequence and a masked mixing its row
+    pos, plus per sequence the cache rows read (mixing inputs, keys and values); not activations
+    or writes. cached=False (window): all parameter bytes, loose for a compute-bound step."""
+    if not cached:
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+    lm_head = getattr(model, 'lm_head', None)
+    total, counted = 0, set()
+    for mod in model.modules():
+        if isinstance(mod, (TokenMixing, GatedMLP)):  # channels of the cached inputs
+            width = mod.width if isinstance(mod, TokenMixing) else mod.down.in_features
+            for m in (m for m in mod.modules() if isinstance(m, Mixing)):
+                size, (n_out, n_in) = m.weight.element_size(), m.weight.shape[-2:]
+                cols = min(pos + 1, n_in)
+                if pos < n_out:  # row pos of the weights and bias, the cached inputs it mixes
+                    total += (m.weight[..., 0, :cols].numel() + m.bias.shape[0]
+                              + batch * cols * width) * size
+                counted |= {id(m.weight), id(m.bias)}
+        elif isinstance(mod, Attention):  # keys and values of positions <= pos
+            total += batch * 2 * (pos + 1) * mod.qkv.in_features * mod.qkv.weight.element_size()
+        elif isinstance(mod, torch.nn.Embedding) and (lm_head is None or mod.weight is not lm_head.weight):
+            total += batch * mod.embedding_dim * mod.weight.element_size()
+            counted.add(id(mod.weight))
+    return total + sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in counted)
+
+
 # ----------------------------------------------------------------------------- represent
 
 def embedding_backbone(model):
@@ -352,7 +413,7 @@ def layer_output_fn(model, idx, layer):
         hooks = [backbone.wte.register_forward_hook(lambda mod, inp, res: e),
                  backbone.blocks[layer - 1].register_forward_hook(lambda mod, inp, res: out.update(x=res))]
         try:
-            backbone(idx, Context())
+            backbone(idx)
         finally:
             for h in hooks:
                 h.remove()

@@ -71,10 +71,49 @@ def load(path, device, dtype):
     except FileNotFoundError as e:
         raise ValueError(f"{e}: {path} reads its tokenizer from the data_dir it was trained on; "
                                 f"prepare that data again there") from None
-    return model_from_checkpoint(ckpt).to(device, dtype).decode_layout(), tok
+    return decode_layout(model_from_checkpoint(ckpt).to(device, dtype)), tok
 
 
-def write_samples(model, tok, ids, args, generator):
+# ----------------------------------------------------------------------------- fast decoding on a CPU
+
+def decode_layout(model):
+    """Store each CPU Linear weight with its longer side contiguous (same values; returns model).
+    A batch-1 step is one GEMV per weight, and MKL streams a weight ~2x faster along its long side
+    (AVX2 EPYC: the 8000 x 256 lm_head at 10 GB/s row-major, 26 GB/s column-major)."""
+    for mod in model.modules():
+        w = getattr(mod, 'weight', None)
+        if isinstance(mod, torch.nn.Linear) and w.device.type == 'cpu' and w.shape[0] > w.shape[1]:
+            w.data = w.data.t().contiguous().t()
+    return model
+
+
+def compiled_step(model):
+    """model.step through torch.compile: one dynamic-shape graph for every position. On a CPU the
+    weights are frozen into it as constants (inductor's freezing), so that max-autotune repacks
+    each Linear for its own GEMV kernel, bias and GELU fused in (a batch-1 step ~1.2-1.3x faster,
+    README); frozen weights must not change afterwards, so the step refuses if they did."""
+    if next(model.parameters()).device.type != 'cpu':
+        return torch.compile(model.step, dynamic=True)
+    compiled = torch.compile(model.step, dynamic=True, options=dict(max_autotune=True))
+    config, versions = torch._inductor.config, param_versions(model)
+
+    def step(tok, pos, cache):  # dynamo reads `freezing` as it traces, inside the call
+        if param_versions(model) != versions:
+            raise ValueError("the weights changed after compiled_step froze them: decode eagerly, "
+                             "or compile the step again")
+        frozen, config.freezing = config.freezing, True
+        try:
+            return compiled(tok, pos, cache)
+        finally:
+            config.freezing = frozen
+    return step
+
+
+def param_versions(model):  # in-place writes to each parameter so far (optimizer steps, loads)
+    return [p._version for p in model.parameters()]
+
+
+def write_samples(model, tok, ids, args, generator, step=None):
     """Decode args.num_samples continuations of the prompt ids as one batch (a cached step is bound
     by reading the weights, so N rows cost little more than one); stream the first, print the others
     at the end between lines of dashes. A row ends at its end of document, the batch when all have.
@@ -85,7 +124,7 @@ def write_samples(model, tok, ids, args, generator):
     sys.stdout.write(shown)
     for tokens, _ in model.stream(idx, args.max_new_tokens, temperature=args.temperature, method=args.method,
                                   top_k=args.top_k if args.top_k > 0 else None, top_p=args.top_p,
-                                  generator=generator, compile=args.compile):
+                                  generator=generator, step=step):
         for i, token in enumerate(tokens.tolist()):                            # tokens (num_samples,)
             ended[i] = ended[i] or token == tok.eos_id
             if not ended[i]:
@@ -124,7 +163,9 @@ def sample(argv):
           file=sys.stderr)
     t0 = time.perf_counter()
     try:
-        n_new = write_samples(model, tok, ids, args, torch.Generator(device=device).manual_seed(args.seed))
+        step = compiled_step(model) if args.compile else None
+        n_new = write_samples(model, tok, ids, args, torch.Generator(device=device).manual_seed(args.seed),
+                              step)
     except BrokenPipeError:  # the reader went away (| head): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -249,6 +249,9 @@ def budget_used(cfg, step, train_time):
 
 # ----------------------------------------------------------------------------- checkpoints and out_dir
 
+OLD_LAYOUT = 'OLDCOMMIT'  # the last commit whose blocks were lists of sublayers
+
+
 def save_checkpoint(obj, path):
     """Atomic (prepare.write_atomic): a crash never leaves a half-written checkpoint."""
     write_atomic(path, lambda f: torch.save(obj, f))
@@ -265,6 +268,9 @@ def load_checkpoint(path, map_location='cpu'):
         raise ValueError(f"{path} is not a readable nanomixer checkpoint ({type(e).__name__}: {why})") from None
     if not isinstance(ckpt, dict) or not {'kind', 'model'} <= ckpt.keys():
         raise ValueError(f"{path} is not a readable nanomixer checkpoint (no 'kind'/'model' entries)")
+    if any('.layers.' in key for key in ckpt['model']):  # blocks were lists of sublayers then
+        raise ValueError(f"{path} has an older model layout: read it with nanomixer at commit "
+                         f"{OLD_LAYOUT} (git checkout {OLD_LAYOUT}), or train again")
     return ckpt
 
 
