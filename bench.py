@@ -350,7 +350,7 @@ def param_counts(model):
         seen |= claimed.keys()
     counts['other'] = sum(p.numel() for p in model.parameters() if id(p) not in seen)
     counts['total'] = sum(counts.values())
-    reads = {id(t.mix): t.mix2.weight.shape[-1] for t in model.modules()  # rows mix2 reads
+    reads = {id(t.mix): t.mix2.weight.shape[-2] for t in model.modules()  # rows mix2 reads
              if isinstance(t, TokenMixing) and t.mix2 is not None}
     unused = 0
     for m in (m for m in model.modules() if isinstance(m, Mixing)):

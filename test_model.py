@@ -177,17 +177,17 @@ def test_masked_weights_get_exactly_zero_gradient(variant):
     """Above the diagonal a mixing weight gets no gradient; every allowed entry that is read gets one.
     param_counts' mixing_effective (no masked entries, no never-read hidden rows) counts just those."""
     model = make(tiny(**variant))
-    counts = M.param_counts(model)
+    counts = bench.param_counts(model)
     model(torch.randint(0, V, (2, N)), torch.randint(0, V, (2, N)))[1].backward()
     mixings = [m for m in model.modules() if isinstance(m, M.Mixing)]
     for mix in mixings:
-        keep = M.allowed_positions('causal', mix.n_out, mix.n_in, 0, 'cpu')
-        g = mix.weight.grad                                   # (P, H, k, n_out, n_in)
+        keep = M.allowed('causal', mix.weight, 0)             # (n_out, n_in)
+        g = mix.weight.grad                                   # (H, n_out, n_in) or (H, k, n_out, n_in)
         assert torch.count_nonzero(g * ~keep) == 0
         used = keep.clone()
         used[N:] = False          # e > 1: hidden rows past n_ctx are never read, so they get no gradient
         used[0] &= not mix.softmax  # a softmax over one allowed entry is the constant 1
-        assert torch.count_nonzero(g * used) == used.sum() * g.shape[0] * g.shape[1] * g.shape[2]
+        assert torch.count_nonzero(g * used) == used.sum() * g[..., 0, 0].numel()
     params = {id(p): p for m in model.modules() if isinstance(m, (M.TokenMixing, M.Mixing, M.Attention))
               for p in m.parameters()}
     assert sum(p.numel() for p in params.values()) == counts['mixing']
@@ -275,7 +275,7 @@ def test_decode_layout_changes_strides_not_tokens(variant):
     model = tiny_model(**variant)
     idx = prompt(5)
     before = decode(model, idx, N_CTX, 'cache')
-    model.decode_layout()
+    sample.decode_layout(model)
     wide = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features > m.in_features]
     assert wide and all(w.t().is_contiguous() for w in wide)
     after = decode(model, idx, N_CTX, 'cache')
@@ -291,9 +291,9 @@ def test_compiled_decode_step_traces_once_for_all_positions(arch):
     model = tiny_model(arch=arch)
     torch._dynamo.reset()
     counters.clear()
-    model._compiled_step = torch.compile(model.decode_step, dynamic=True, backend='eager')
+    step = torch.compile(model.step, dynamic=True, backend='eager')
     steps = N_CTX + N_CTX // 2                                      # through a slide
-    tok_c, logit_c = decode(model, prompt(5), steps, 'cache', compile=True)
+    tok_c, logit_c = decode(model, prompt(5), steps, 'cache', step=step)
     tok_e, logit_e = decode(model, prompt(5), steps, 'cache')
     assert torch.equal(tok_c, tok_e) and torch.equal(logit_c, logit_e)
     assert 1 <= counters['stats']['unique_graphs'] <= 2, dict(counters['stats'])  # not one per position
@@ -307,16 +307,17 @@ def test_compiled_decode_step_freezes_each_models_weights():
     models = [perturbed(ModelConfig(vocab_size=VOCAB, n_ctx=N_CTX, d_model=16, n_layers=1), 0.1, seed).eval()
               for seed in (0, 1)]
     with torch._inductor.config.patch(max_autotune_gemm_backends='CPP'):  # one choice: no timing runs
+        steps = [sample.compiled_step(model) for model in models]
         for _ in range(2):  # the second round runs each model's graph again, after the other's compile
-            for model in models:
-                tok_c, logit_c = decode(model, prompt(5), 6, 'cache', compile=True)
+            for model, step in zip(models, steps):
+                tok_c, logit_c = decode(model, prompt(5), 6, 'cache', step=step)
                 tok_e, logit_e = decode(model, prompt(5), 6, 'cache')
                 assert torch.equal(tok_c, tok_e)
                 torch.testing.assert_close(logit_c, logit_e, atol=1e-5, rtol=1e-5)
     with torch.no_grad():
         models[0].lm_head.weight.add_(1.0)
     with pytest.raises(ValueError, match='weights changed'):
-        decode(models[0], prompt(5), 2, 'cache', compile=True)
+        decode(models[0], prompt(5), 2, 'cache', step=steps[0])
     torch._dynamo.reset()
 
 
@@ -370,21 +371,23 @@ def test_mixings_and_mlps_match_their_formulas():
     tril(W) x + b; a softmax mixing's rows are distributions over the past; gpt's MLP uses GPT-1's
     tanh GELU, the mixer's the exact one."""
     par, flat = make(tiny(n_convs=2)), make(tiny())
-    flat.load_state_dict({k: v.sum(0, keepdim=True) if k.endswith(('.weight', '.bias')) and 'mix.' in k else v
-                          for k, v in par.state_dict().items()})
+    sd = par.state_dict()  # the flat mixer whose W and b are the sums of the two mixings'
+    flat.load_state_dict({k: sd[k] if k in sd else sd[k.replace('mix.', 'mix.0.')]
+                          + sd[k.replace('mix.', 'mix.1.')] for k in flat.state_dict()})
     idx = torch.randint(0, V, (2, N))
     assert (par(idx)[0] - flat(idx)[0]).abs().max() > 1e-3
-    mix, one = par.backbone.blocks[0].layers[0].mix, flat.backbone.blocks[0].layers[0].mix
+    mix, one = par.backbone.blocks[0].mixers[0].mix, flat.backbone.blocks[0].mixers[0].mix
     x = torch.randn(2, 1, N, D, dtype=torch.float64)
-    w, b = mix.weight[:, 0, 0].tril(), mix.bias[:, 0]             # (2, N, N), (2, N, 1)
-    assert torch.allclose(mix(x, M.Context(), N)[:, 0], sum(F.gelu(w[i] @ x[:, 0] + b[i]) for i in range(2)))
-    assert torch.allclose(one(x, M.Context(), N)[:, 0], one.weight[0, 0, 0].tril() @ x[:, 0] + one.bias[0, 0])
-    m = make(tiny(softmax=True)).backbone.blocks[0].layers[0].mix.matrix(0, N, N)[0, 0, 0]  # head 0's (n_out, n_in)
+    w, b = [m.weight[0].tril() for m in mix], [m.bias[0] for m in mix]    # (N, N), (N, 1) each
+    assert torch.allclose(mix(x)[:, 0], sum(F.gelu(w[i] @ x[:, 0] + b[i]) for i in range(2)))
+    assert torch.allclose(one(x)[:, 0], one.weight[0].tril() @ x[:, 0] + one.bias[0])
+    soft = make(tiny(softmax=True)).backbone.blocks[0].mixers[0].mix
+    m = soft(torch.eye(N, dtype=torch.float64)[None, None])[0, 0] - soft.bias[0]  # (n_out, n_in) rows
     assert torch.allclose(m.sum(-1), torch.ones(N, dtype=m.dtype))
     assert torch.count_nonzero(m.triu(1)) == 0 and (m.tril() > 0).sum() == N * (N + 1) // 2
     x = torch.randn(3, D, dtype=torch.float64)
     for arch, approx in (('gpt', 'tanh'), ('mixer', 'none')):
-        mlp = make(tiny(arch=arch)).backbone.blocks[0].layers[1]
+        mlp = make(tiny(arch=arch)).backbone.blocks[0].ffn
         assert torch.equal(mlp(x), mlp.out(F.gelu(mlp.fc(x), approximate=approx)))
     gelu_tanh = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
     assert torch.allclose(F.gelu(x, approximate='tanh'), gelu_tanh)
@@ -411,10 +414,10 @@ def reference_attention(x, attn, mask=None):
 @pytest.mark.parametrize('arch', ['llama', 'gpt'])
 @pytest.mark.parametrize('padding', [None, 'left', 'right'])
 def test_attention_matches_explicit_computation(arch, padding):
-    attn = make(tiny(arch=arch)).backbone.blocks[0].layers[0]
+    attn = make(tiny(arch=arch)).backbone.blocks[0].mixers[0]
     x = torch.randn(2, N, D, dtype=torch.float64)
     mask = padded_batch(padding, torch.Generator().manual_seed(0))[1]
-    assert torch.allclose(attn(x, M.Context(mask=mask)), reference_attention(x, attn, mask), atol=1e-10)
+    assert torch.allclose(attn(x, mask=mask), reference_attention(x, attn, mask), atol=1e-10)
 
 
 @pytest.mark.parametrize('where', ['input', 'every'])
@@ -448,8 +451,8 @@ def test_bidirectional_streams_share_feedforwards_by_default(arch):
     the mixings (or attentions) stay per stream. share_ffn=False gives each its own."""
     shared, apart = (build_model(tiny(arch=arch, objective='bidirectional', share_ffn=s)) for s in (True, False))
     for f, r in zip(shared.fwd.blocks, shared.rev.blocks):
-        assert f.layers[-1] is r.layers[-1] and f.norms[-1] is r.norms[-1] and f.layers[0] is not r.layers[0]
-    ffn = sum(p.numel() for b in apart.fwd.blocks for p in [*b.layers[-1].parameters(), *b.norms[-1].parameters()])
+        assert f.ffn is r.ffn and f.norms[-1] is r.norms[-1] and f.mixers[0] is not r.mixers[0]
+    ffn = sum(p.numel() for b in apart.fwd.blocks for p in [*b.ffn.parameters(), *b.norms[-1].parameters()])
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731 (a shared parameter counts once)
     assert count(apart) - count(shared) == ffn
     assert set(shared.state_dict()) == set(apart.state_dict())   # same keys, so loading checks the values:
@@ -485,7 +488,7 @@ def test_checkpoints_from_before_per_mixing_biases_load():
 
 def test_param_counts_and_flops():
     cfg, llama = tiny(), tiny(arch='llama')
-    counts = M.param_counts(build_model(cfg))
+    counts = bench.param_counts(build_model(cfg))
     assert counts['total'] == sum(p.numel() for p in build_model(cfg).parameters())
     assert counts['mixing'] == cfg.n_layers * (N * N + N)      # one n_ctx x n_ctx matrix + bias per layer
     assert counts['feedforward'] == cfg.n_layers * (2 * 4 * D * D + 5 * D) and counts['embedding'] == 2 * V * D
@@ -1371,7 +1374,8 @@ def test_trimmed_padding_equals_the_full_window(variant, embed_pos):
     lengths = [1, 3, 17, 5, 2, 9, 4, 12]                 # short queries, longer targets, none fills the window
     idx, mask = retrieve.left_pad([torch.randint(4, V, (k,), generator=gen).tolist() for k in lengths], n, 3)
     rows = []
-    first_ffn = (model.encoder if variant.get('objective') == 'autoencoder' else model.backbone).blocks[0].layers[-1]
+    first_ffn = (model.encoder if variant.get('objective') == 'autoencoder' else model.backbone).blocks[0]
+        first_ffn = first_ffn.ffn or first_ffn.mixers[-1]  # gmlp: the gated MLP is the block
     hook = first_ffn.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[:2].numel()))
     results = {}
     for trim in (False, True):
@@ -1680,14 +1684,14 @@ def test_decode_bytes_weights_once_cache_rows_per_sequence():
     for arch, per_pos in (('mixer', L * (d + 1) * 4), ('llama', L * 2 * d * 4), ('gpt', L * 2 * d * 4)):
         torch.manual_seed(0)
         model = build_model(ModelConfig(arch=arch, vocab_size=vocab, n_ctx=16, d_model=d, n_layers=L))
-        one = M.decode_bytes(model, 5)
-        assert M.decode_bytes(model, 6) - one == per_pos
+        one = bench.decode_bytes(model, 5)
+        assert bench.decode_bytes(model, 6) - one == per_pos
         cache = (L * 6 * d if arch == 'mixer' else L * 2 * 6 * d) * 4
-        assert M.decode_bytes(model, 5, batch=3) - one == 2 * (cache + d * 4 * (2 if arch == 'gpt' else 1))
-        assert one < sum(p.numel() for p in model.parameters()) * 4 == M.decode_bytes(model, 5, cached=False)
-        assert M.decode_bytes(model.to(torch.bfloat16), 5) * 2 == one           # weights and cache halve
+        assert bench.decode_bytes(model, 5, batch=3) - one == 2 * (cache + d * 4 * (2 if arch == 'gpt' else 1))
+        assert one < sum(p.numel() for p in model.parameters()) * 4 == bench.decode_bytes(model, 5, cached=False)
+        assert bench.decode_bytes(model.to(torch.bfloat16), 5) * 2 == one           # weights and cache halve
     tied = build_model(ModelConfig(vocab_size=vocab, n_ctx=16, d_model=d, n_layers=L, tie_weights=True))
-    assert M.decode_bytes(tied, 5) > vocab * d * 4                               # the lm head reads the table
+    assert bench.decode_bytes(tied, 5) > vocab * d * 4                               # the lm head reads the table
 
 
 def bench_mixer(vocab=128, **kw):
@@ -1702,7 +1706,7 @@ def bench_tokens(vocab, shape=(2, 16)):
 class ConstantBlock(nn.Module):
     """A block whose output ignores its input."""
 
-    def forward(self, x, ctx):
+    def forward(self, x, pos=0, cache=None, mask=None):
         return x * 0 + 1
 
 
@@ -2011,7 +2015,7 @@ def test_cuda_sdpa_kernels_match_explicit_attention(arch, kernel, amp, padding, 
     attention written out in float64: the GPU models compute the same function as the references."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     cfg = ModelConfig(arch=arch, vocab_size=V, n_ctx=64, d_model=128, n_layers=1, n_heads=4)  # head dim 32
-    attn = perturbed(cfg, 0.05).backbone.blocks[0].layers[0]
+    attn = perturbed(cfg, 0.05).backbone.blocks[0].mixers[0]
     x = torch.randn(2, 64, 128, generator=torch.Generator().manual_seed(0))
     mask = None
     if padding:  # row 1 loses 9 tokens on the left or the right
@@ -2021,7 +2025,7 @@ def test_cuda_sdpa_kernels_match_explicit_attention(arch, kernel, amp, padding, 
     attn.float().cuda()
     backend = {'flash': SDPBackend.FLASH_ATTENTION, 'efficient': SDPBackend.EFFICIENT_ATTENTION}[kernel]
     with sdpa_kernel(backend), AMP[amp]():
-        got = attn(x.cuda(), M.Context(mask=None if mask is None else mask.cuda()))
+        got = attn(x.cuda(), mask=None if mask is None else mask.cuda())
     tol = 1e-5 if amp == 'float32' else 3e-2
     torch.testing.assert_close(got.double().cpu(), want, atol=tol, rtol=tol)
 
@@ -2044,7 +2048,8 @@ def test_cuda_compiled_decode_step_equals_eager(arch, no_tf32):
     """stream(compile=True) through inductor's GPU kernels: the eager step's tokens, its logits to 1e-4."""
     model = tiny_model(arch=arch).cuda()
     torch._dynamo.reset()
-    tok_c, logit_c = decode(model, prompt(5).cuda(), N_CTX + N_CTX // 2, 'cache', compile=True)
+    step = sample.compiled_step(model)
+    tok_c, logit_c = decode(model, prompt(5).cuda(), N_CTX + N_CTX // 2, 'cache', step=step)
     tok_e, logit_e = decode(model, prompt(5).cuda(), N_CTX + N_CTX // 2, 'cache')
     assert torch.equal(tok_c, tok_e)
     torch.testing.assert_close(logit_c, logit_e, atol=1e-4, rtol=0)
