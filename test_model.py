@@ -1375,7 +1375,7 @@ def test_trimmed_padding_equals_the_full_window(variant, embed_pos):
     idx, mask = retrieve.left_pad([torch.randint(4, V, (k,), generator=gen).tolist() for k in lengths], n, 3)
     rows = []
     first_ffn = (model.encoder if variant.get('objective') == 'autoencoder' else model.backbone).blocks[0]
-        first_ffn = first_ffn.ffn or first_ffn.mixers[-1]  # gmlp: the gated MLP is the block
+    first_ffn = first_ffn.ffn or first_ffn.mixers[-1]  # gmlp: the gated MLP is the block
     hook = first_ffn.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[:2].numel()))
     results = {}
     for trim in (False, True):
