@@ -46,9 +46,9 @@ class ModelConfig:
     n_convs: int = 1           # p > 1: p parallel masked mixings, each with its own bias and GELU, summed
     softmax: bool = False      # row softmax over the allowed positions of each mixing
     pos_emb: bool = False      # learned absolute positions (mixer ablation; GPT always has them)
-    pos_channel: str = 'none'  # none | input | every: the blog's ablation, centred position in the last channel
+    pos_channel: str = 'none'  # none | input | every: blog's ablation, an appended position channel
     hybrid_order: str = 'attn_mix'  # hybrid: attn_mix (attention, then mixing) | mix_attn | parallel
-    share_ffn: bool = True     # bidirectional: both streams share each block's feed-forward (the author's code)
+    share_ffn: Optional[bool] = None  # bidirectional: streams share feed-forwards; None: per arch
     causal: bool = True        # False = unmasked, bidirectional mixing/attention
     tie_weights: bool = False  # lm_head shares the token embedding
     objective: str = 'clm'     # clm | autoencoder | bidirectional | mtp2 | half
@@ -65,14 +65,18 @@ class ModelConfig:
             value = getattr(self, name)
             self.require(name, isinstance(value, int) and value >= 1, "must be a positive integer")
         e, two_streams, mixing = self.expansion, self.objective == 'bidirectional', self.arch in ('mixer', 'hybrid')
+        if self.share_ffn is None:  # as the author: his bidirectional mixer shares, his llama is
+            self.share_ffn = not (two_streams and self.arch == 'llama')  # two stacks; else True
         for name, ok, fix in [  # every rule: (field, holds, what to do instead)
             ('hybrid_order', self.hybrid_order == 'attn_mix' or self.arch == 'hybrid', "only arch hybrid has one"),
             ('share_ffn', isinstance(self.share_ffn, bool) and (self.share_ffn or two_streams),
-             "is True or False, and only the bidirectional objective has two streams to share"),
+             "is None (per arch), True or False; only objective bidirectional has two streams"),
             ('n_heads', self.d_model % self.n_heads == 0, f"must divide d_model={self.d_model}"),
             ('n_heads', self.arch not in ('llama', 'hybrid') or self.d_model // self.n_heads % 2 == 0,
              "RoPE needs an even head size d_model // n_heads"),
             ('n_heads', self.arch != 'gmlp' or self.n_heads == 1, "gmlp has one spatial projection: use 0 or 1"),
+            ('pos_channel', self.pos_channel == 'none' or (self.arch, self.n_heads) == ('mixer', 1),
+             "blocks of width d_model + 1 are defined for a one-head mixer: use pos_channel=none"),
             ('arch', mixing or (self.kernel, e, self.n_convs, self.softmax) == (1, 0, 1, False),
              "kernel, expansion, n_convs and softmax are masked-mixer variants: use arch mixer or hybrid"),
             ('kernel', self.kernel <= self.d_model // (self.n_heads if self.arch == 'mixer' else 1),
@@ -89,6 +93,11 @@ class ModelConfig:
              "half-sequence prediction needs n_layers >= 2 (encoder + decoder halves)"),
         ]:
             self.require(name, ok, fix)
+
+    @property
+    def width(self):
+        """Channels the blocks run at: d_model, + 1 for pos_channel's appended channel."""
+        return self.d_model + (self.pos_channel != 'none')
 
     def require(self, name, ok, fix):
         if not ok:
@@ -201,7 +210,7 @@ class TokenMixing(nn.Module):
 
     def __init__(self, cfg, direction):
         super().__init__()
-        d, n = cfg.d_model, cfg.n_ctx
+        d, n = cfg.width, cfg.n_ctx
         self.heads = cfg.n_heads if cfg.arch == 'mixer' else 1  # hybrid: heads belong to attention
         kw = dict(channels=d // self.heads, heads=self.heads, kernel=cfg.kernel, n_convs=cfg.n_convs,
                   softmax=cfg.softmax, direction=direction)
@@ -235,7 +244,8 @@ class MLP(nn.Module):
 
 
 def norm_layer(cfg):
-    return nn.RMSNorm(cfg.d_model, eps=1e-6) if cfg.arch in ('llama', 'hybrid') else nn.LayerNorm(cfg.d_model)
+    w = cfg.width
+    return nn.RMSNorm(w, eps=1e-6) if cfg.arch in ('llama', 'hybrid') else nn.LayerNorm(w)
 
 
 class Block(nn.Module):
@@ -243,7 +253,7 @@ class Block(nn.Module):
 
     def __init__(self, cfg, direction):
         super().__init__()
-        d, arch = cfg.d_model, cfg.arch
+        d, arch = cfg.width, cfg.arch  # d_model, + 1 with a position channel (pos_channel)
         if arch == 'mixer':
             layers = [TokenMixing(cfg, direction), MLP(d, 4 * d)]
         elif arch == 'llama':
@@ -269,7 +279,7 @@ class Block(nn.Module):
 
 
 class Backbone(nn.Module):
-    """Token embedding (optional) -> positions (optional) -> blocks -> final norm."""
+    """Token embedding (optional) -> positions (optional) -> blocks -> norm -> d_model channels"""
 
     def __init__(self, cfg, direction='causal', embed=True):
         super().__init__()
@@ -283,7 +293,7 @@ class Backbone(nn.Module):
         self.trims = embed and cfg.objective != 'half' and (
             cfg.arch == 'llama' or (cfg.arch in ('mixer', 'gmlp') and direction == 'causal'))
 
-    def forward(self, x, ctx):  # idx (B, T) or embeddings (B, T, d) -> (B, T, d)
+    def forward(self, x, ctx):  # idx (B, T) or embeddings (B, T, d_model) -> (B, T, d_model)
         if self.wte is not None:
             check_tokens(x, self.cfg, ctx.pos)
             x = self.wte(x)
@@ -292,21 +302,20 @@ class Backbone(nn.Module):
         if self.wpe is not None:
             x = x + self.wpe.weight[ctx.pos:ctx.pos + x.shape[1]]
         pos = torch.arange(ctx.pos, ctx.pos + x.shape[1], device=x.device)
-        if self.cfg.pos_channel != 'none':
-            x = self.with_position(x, pos)
+        if self.cfg.pos_channel != 'none':  # (B, T, d_model) -> (B, T, d_model + 1)
+            x = torch.cat((x, self.centred(x, pos)), dim=-1)
         split = self.cfg.n_layers // 2 if self.cfg.objective == 'half' else -1
         for i, block in enumerate(self.blocks):
             if i == split:  # half-sequence prediction: the second half only sees the first half
                 x = x * (pos < half_split(ctx.pos + x.shape[1]))[None, :, None]
             x = block(x, ctx)
             if self.cfg.pos_channel == 'every':
-                x = self.with_position(x, pos)
-        return self.norm(x)
+                x = torch.cat((x[..., :-1], self.centred(x, pos)), dim=-1)
+        return self.norm(x)[..., :self.cfg.d_model]  # token channels only: the author's x[..., :-1]
 
-    def with_position(self, x, pos):
-        """The blog's positional channel: the last of d_model channels holds the centred position."""
-        centred = (pos - self.cfg.n_ctx // 2).to(x.dtype)[None, :, None].expand(x.shape[0], -1, 1)
-        return torch.cat((x[..., :-1], centred), dim=-1)
+    def centred(self, x, pos):
+        """The blog's positional channel (B, T, 1): t - n_ctx/2, appended to the token channels."""
+        return (pos - self.cfg.n_ctx // 2).to(x.dtype)[None, :, None].expand(x.shape[0], -1, 1)
 
     def hidden(self, idx, mask=None, keep=None):
         """Hidden states (B, T, d) of idx (B, T), or only the last `keep`, exactly and without spending rows on
@@ -798,26 +807,26 @@ def param_counts(model):
 
 
 def flops_per_token(cfg):
-    """Training FLOPs per token, counted the PaLM way: 6 x (all parameters but the embedding tables and the
-    mixers' position-mixing weights and biases; the lm head included), plus per layer 6 n_ctx d_model per masked
-    mixing (x kernel, x2 for expanded: 12 e n_ctx d) and 12 n_ctx d_model per attention. No discount for the
-    causal mask. mtp2 runs two passes."""
+    """Training FLOPs (forward + backward) per token, counted the PaLM way: 6 x (all parameters but
+    the embedding tables and the mixers' position-mixing weights and biases; the lm head included),
+    plus per layer 6 n_ctx d per masked mixing (x kernel x n_convs; d its width) and
+    12 n_ctx d_model per attention. Work is counted per use: a feed-forward both streams run counts
+    twice, shared or not; an expanded mixing counts the min(n_out, n_ctx) x min(n_in, n_ctx) entries
+    that run (12 min(e, 1) n_ctx d for the pair). No discount for the causal mask. mtp2 runs two
+    passes."""
     with torch.device('meta'):
         model = build_model(cfg)
-    matmul_params = {id(p): p.numel() for p in model.parameters()}
-    flops = 0
-    for mod in model.modules():
-        if isinstance(mod, nn.Embedding) and mod.weight is not model.lm_head.weight:
-            matmul_params.pop(id(mod.weight), None)
-        elif isinstance(mod, Mixing):
-            matmul_params.pop(id(mod.weight), None)
-            matmul_params.pop(id(mod.bias), None)
-            flops += 6 * mod.weight[..., 0, 0].numel() * mod.n_out * mod.n_in * mod.channels / cfg.n_ctx
-        elif isinstance(mod, Attention):
-            flops += 12 * cfg.n_ctx * cfg.d_model
+    n, flops = cfg.n_ctx, 0
+    for _, mod in model.named_modules(remove_duplicate=False):  # a module run twice is listed twice
+        if isinstance(mod, Mixing):  # rows past n_ctx are never computed, nor read by the next one
+            rows, cols = min(mod.n_out, n), min(mod.n_in, n)
+            flops += 6 * mod.weight[..., 0, 0].numel() * rows * cols * mod.channels / n
+        elif not isinstance(mod, nn.Embedding):  # a lookup is no matmul; a tied lm head is a Linear
+            flops += 6 * sum(p.numel() for p in mod.parameters(recurse=False))
+        if isinstance(mod, Attention):
+            flops += 12 * n * cfg.d_model
         elif isinstance(mod, ELiTAAttention):
-            flops += 6 * min(ELITA_CHUNK, cfg.n_ctx) * cfg.d_model
-    flops += 6 * sum(matmul_params.values())
+            flops += 6 * min(ELITA_CHUNK, n) * cfg.d_model
     return flops * (2 if cfg.objective == 'mtp2' else 1)
 
 
