@@ -53,7 +53,7 @@ class ModelConfig:
     pos_emb: bool = False      # learned absolute positions (mixer ablation; GPT always has them)
     pos_channel: str = 'none'  # none | input | every: one extra channel holding the position (blog)
     hybrid_order: str = 'attn_mix'  # hybrid: attn_mix | mix_attn | parallel
-    share_ffn: bool = None     # bidirectional: streams share feed-forwards (None: mixer yes, llama no)
+    share_ffn: bool = None     # bidirectional: streams share feed-forwards; None: per arch
     causal: bool = True        # False = unmasked (bidirectional) mixing or attention
     tie_weights: bool = False  # the lm head shares the token embedding
     objective: str = 'clm'     # clm | autoencoder | bidirectional | mtp2 | half
@@ -67,8 +67,8 @@ class ModelConfig:
             self.n_heads = 4 if self.arch in ('llama', 'gpt', 'hybrid', 'elita') else 1
         self.pos_emb = self.pos_emb or self.arch == 'gpt'  # GPT-1 always learns its positions
         two_streams = self.objective == 'bidirectional'
-        if self.share_ffn is None:  # the author's choice: one DoubleMixerBlock, two Llama stacks
-            self.share_ffn = self.arch == 'mixer' if two_streams else False
+        if self.share_ffn is None:  # the author's: one DoubleMixerBlock, but two Llama stacks
+            self.share_ffn = not (two_streams and self.arch == 'llama')
         for name in ('vocab_size', 'n_ctx', 'd_model', 'n_layers', 'n_heads', 'kernel', 'n_convs'):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a positive integer")
@@ -76,8 +76,9 @@ class ModelConfig:
             raise ValueError(f"n_heads={self.n_heads} must divide d_model={self.d_model}")
         if self.arch in ('llama', 'hybrid') and self.d_model // self.n_heads % 2:
             raise ValueError(f"n_heads={self.n_heads}: RoPE needs an even head size d_model // n_heads")
-        if self.share_ffn and not two_streams:
-            raise ValueError("share_ffn=True: only the bidirectional objective has two streams")
+        if not isinstance(self.share_ffn, bool) or not (self.share_ffn or two_streams):
+            raise ValueError(f"share_ffn={self.share_ffn!r}: None (per arch), True or False; "
+                             f"only objective bidirectional has two streams to keep apart")
         self.check_mixer()
         if not self.causal and (self.arch == 'elita' or self.objective != 'clm'):
             raise ValueError("causal=False is for clm encoders of arch mixer/llama/gpt/hybrid/gmlp")
@@ -105,10 +106,9 @@ class ModelConfig:
             raise ValueError("n_convs: parallel mixings are a flat-mixer variant: use expansion=0")
         if self.softmax and self.objective == 'bidirectional':
             raise ValueError("softmax: the reverse stream's last rows have nothing to normalise")
-        flat = (self.arch, self.n_heads, *variant) == ('mixer', 1, 1, 0, 1, False)
-        if self.pos_channel != 'none' and not flat:
-            raise ValueError(f"pos_channel={self.pos_channel} is the flat one-head mixer's "
-                             f"ablation: use arch mixer with no other variant")
+        if self.pos_channel != 'none' and (self.arch, self.n_heads) != ('mixer', 1):
+            raise ValueError(f"pos_channel={self.pos_channel}: blocks of width d_model + 1 are "
+                             f"defined for a one-head mixer: use pos_channel=none")
 
     @property
     def width(self):  # channels the blocks run at: the position channel is appended to d_model
@@ -755,14 +755,15 @@ def flops_per_token(cfg):
 
         def count(mod, inputs, out):
             x = inputs[0]
-            if isinstance(mod, nn.Linear):
-                flops.append(6 * mod.weight.numel() * x[..., 0].numel())
-            elif isinstance(mod, Mixing):  # rows x (inputs read) x channels, per head and kernel
+            if isinstance(mod, Mixing):  # rows x (inputs read) x channels, per head and kernel
                 flops.append(6 * mod.weight[..., 0, 0].numel() * out.shape[2] * x.shape[2] * x.shape[0]
                              * x.shape[3])
             elif isinstance(mod, Attention):
                 flops.append(12 * x.shape[0] * x.shape[1] ** 2 * x.shape[2])
-            elif isinstance(mod, ELiTAAttention):  # the scan's masked block products
+            elif not isinstance(mod, nn.Embedding):  # a lookup is no matmul; biases, norms count
+                flops.append(6 * sum(p.numel() for p in mod.parameters(recurse=False))
+                             * x[..., 0].numel())
+            if isinstance(mod, ELiTAAttention):  # the scan's masked block products
                 flops.append(6 * x.shape[0] * x.shape[1] * min(ELITA_CHUNK, x.shape[1]) * x.shape[2])
         hooks = [m.register_forward_hook(count) for m in model.modules()]
         idx = torch.zeros(1, cfg.n_ctx, dtype=torch.long)

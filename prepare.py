@@ -544,13 +544,16 @@ def typed(key, value, defaults, source):
         close = difflib.get_close_matches(key, defaults, n=3)
         hint = f"did you mean {', '.join('--' + c for c in close)}?" if close else "see --help for the keys"
         raise ValueError(f"unknown key --{key} in {source}: {hint}")
-    kind = type(defaults[key])
+    if defaults[key] is None and (value is None or str(value).lower() in ('auto', 'none')):
+        return None  # a None default is an optional bool: auto (None) lets the script choose
+    kind = bool if defaults[key] is None else type(defaults[key])
     if isinstance(value, str) and kind is not str:
         words = {'true': True, '1': True, 'yes': True, 'false': False, '0': False, 'no': False}
         try:
             value = words[value.lower()] if kind is bool else kind(value)
         except (KeyError, ValueError):
-            raise ValueError(f"--{key}={value!r} is not a valid {kind.__name__} (default {defaults[key]!r})") from None
+            hint = "true, false, auto" if defaults[key] is None else f"default {defaults[key]!r}"
+            raise ValueError(f"--{key}={value!r} is not a valid {kind.__name__} ({hint})") from None
     if kind is float and type(value) in (int, float):
         value = float(value)
         if not math.isfinite(value):

@@ -101,7 +101,9 @@ VARIANTS = [
     dict(arch='mixer', expansion=1.5, kernel=3), dict(arch='mixer', n_convs=3), dict(arch='mixer', n_heads=4),
     dict(arch='mixer', softmax=True), dict(arch='mixer', n_heads=2, kernel=3, softmax=True, n_convs=2),
     dict(arch='mixer', pos_emb=True), dict(arch='mixer', pos_channel='input'),
-    dict(arch='mixer', pos_channel='every', n_convs=2), dict(arch='mixer', tie_weights=True),
+    dict(arch='mixer', pos_channel='every', n_convs=2),
+    dict(arch='mixer', pos_channel='input', expansion=2.0, kernel=3),
+    dict(arch='mixer', tie_weights=True),
     dict(arch='llama'), dict(arch='gpt'), dict(arch='hybrid'), dict(arch='hybrid', kernel=2, n_convs=2),
     dict(arch='hybrid', kernel=3, n_convs=2), dict(arch='hybrid', hybrid_order='mix_attn'),
     dict(arch='hybrid', hybrid_order='parallel'), dict(arch='gmlp'), dict(arch='elita'),
@@ -203,11 +205,12 @@ def test_expanded_mixer_below_one_loses_tokens():
     assert torch.count_nonzero(grad[:, N // 2:N - 1]) == 0 and torch.count_nonzero(grad[:, :N // 2]) > 0
 
 
-@pytest.mark.parametrize('share_ffn', [True, False])
-@pytest.mark.parametrize('arch', ['mixer', 'llama'])
-def test_bidirectional_lm_never_sees_the_token_it_predicts(arch, share_ffn):
+@pytest.mark.parametrize('arch,share_ffn,pos_channel', [
+    (a, s, 'none') for a in ('mixer', 'llama') for s in (True, False)] + [('mixer', True, 'every')])
+def test_bidirectional_lm_never_sees_the_token_it_predicts(arch, share_ffn, pos_channel):
     """Its logit at t predicts token t+1 from both sides: t+1 itself has no effect, t and t+2 do."""
-    model = make(tiny(arch=arch, objective='bidirectional', share_ffn=share_ffn))
+    model = make(tiny(arch=arch, objective='bidirectional', share_ffn=share_ffn,
+                      pos_channel=pos_channel))
     idx = torch.randint(0, V, (2, N))
     logits, _ = model(idx)
     for t in (0, 4, N - 3):
@@ -420,19 +423,52 @@ def test_attention_matches_explicit_computation(arch, padding):
     assert torch.allclose(attn(x, mask=mask), reference_attention(x, attn, mask), atol=1e-10)
 
 
+@pytest.mark.parametrize('objective', ['clm', 'autoencoder', 'bidirectional'])
 @pytest.mark.parametrize('where', ['input', 'every'])
-def test_position_channel_holds_the_centred_position(where):
-    """The blog's ablation: the last channel carries t - n_ctx/2 (on the embedding, and with
-    'every' again after each block); the embedding table's last column is never read."""
-    model = make(tiny(pos_channel=where))
+def test_position_channel_is_appended_and_the_head_never_reads_it(where, objective):
+    """The blog's ablation (the author's code): blocks run at width d_model + 1, the token embedding
+    whole in the first d_model channels and t - n_ctx/2 in the last (with 'every' rewritten before
+    each later block); every stack hands on only the d_model token channels (lm head, hidden())."""
+    model = make(tiny(pos_channel=where, objective=objective))
     idx = torch.randint(0, V, (2, N - 3))
-    h = model.hidden(idx)
-    centred = torch.arange(N - 3, dtype=h.dtype) - N // 2
-    assert torch.equal(h[0, :, -1], centred) == (where == 'every')   # the mixer has no final norm
-    model(idx, idx)[1].backward()
-    g = model.backbone.wte.weight.grad
-    assert torch.count_nonzero(g[:, -1]) == 0 and torch.count_nonzero(g[:, :-1]) > 0
-    assert not torch.allclose(make(tiny()).hidden(idx), h)          # the same weights without the channel
+    ins = []  # each block's input (B, T, D + 1)
+    stacks = [m for m in model.modules() if isinstance(m, M.Backbone)]
+    blocks = [m for m in model.modules() if isinstance(m, M.Block)]
+    hooks = [b.register_forward_pre_hook(lambda mod, args: ins.append(args[0])) for b in blocks]
+    moved = 100 * F.one_hot(torch.tensor(D), D + 1)  # (D + 1,): only the position channel
+    hooks += [st.blocks[-1].register_forward_hook(lambda mod, a, out: out + moved) for st in stacks]
+    try:
+        logits = model(idx)[0]
+    finally:
+        for h in hooks:
+            h.remove()
+    centred = torch.arange(N - 3, dtype=logits.dtype) - N // 2
+    assert model.lm_head.in_features == D and model.hidden(idx).shape == (2, N - 3, D)
+    assert all(x.shape == (2, N - 3, D + 1) for x in ins) and len(ins) == len(blocks)
+    wte = next(m for m in model.modules() if isinstance(m, nn.Embedding))
+    assert torch.equal(ins[0][..., :D], wte(idx))
+    is_position = [torch.equal(x[0, :, -1], centred) for x in ins]
+    assert is_position == [True, where == 'every'] * len(stacks)
+    assert torch.equal(model(idx)[0], logits)  # the head did not see the moved channel
+
+
+def test_position_channel_keeps_the_init_loss():
+    """An appended channel the head never reads leaves the loss at init where it is without one;
+    read by the head (overwriting a token channel), t - n_ctx/2 raised it past the seeds' spread.
+    (At n_ctx 512 the norms, which see |t - n_ctx/2| up to 256, shrink the blocks' first updates
+    and the loss starts ~0.1 nearer ln V than without: the author's blocks of width d + 1 do so.)"""
+    def init_loss(pos_channel, seed):
+        torch.manual_seed(seed)
+        cfg = ModelConfig(vocab_size=128, n_ctx=32, d_model=32, n_layers=2, pos_channel=pos_channel)
+        model = build_model(cfg)
+        idx = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            return model(idx, idx)[1].item()
+    none = [init_loss('none', seed) for seed in range(5)]
+    spread = max(none) - min(none)  # how far the init loss moves with the seed alone
+    for where in ('input', 'every'):
+        losses = [init_loss(where, seed) for seed in range(5)]
+        assert abs(np.mean(losses) - np.mean(none)) <= spread, (where, losses, none)
 
 
 def test_transformer_autoencoder_decoder_is_position_blind():
@@ -446,9 +482,14 @@ def test_transformer_autoencoder_decoder_is_position_blind():
 
 
 @pytest.mark.parametrize('arch', ['mixer', 'llama'])
-def test_bidirectional_streams_share_feedforwards_by_default(arch):
+def test_bidirectional_streams_share_feedforwards_as_the_author_did(arch):
     """The author's bidirectional mixer: each block's feed-forward and its norm serve both streams;
-    the mixings (or attentions) stay per stream. share_ffn=False gives each its own."""
+    the mixings (or attentions) stay per stream. His bidirectional llama is two separate stacks.
+    share_ffn=None (default) picks that per arch; True or False overrides it."""
+    default = tiny(arch=arch, objective='bidirectional')
+    assert default.share_ffn is (arch == 'mixer')  # resolved, so a checkpoint stores what was built
+    other = dataclasses.asdict(dataclasses.replace(default, share_ffn=arch != 'mixer'))
+    assert ModelConfig(**other).share_ffn is (arch != 'mixer')  # a stored choice rebuilds as it was
     shared, apart = (build_model(tiny(arch=arch, objective='bidirectional', share_ffn=s)) for s in (True, False))
     for f, r in zip(shared.fwd.blocks, shared.rev.blocks):
         assert f.ffn is r.ffn and f.norms[-1] is r.norms[-1] and f.mixers[0] is not r.mixers[0]
@@ -499,6 +540,51 @@ def test_param_counts_and_flops():
     assert M.flops_per_token(dataclasses.replace(llama, objective='mtp2')) == 2 * M.flops_per_token(llama)
 
 
+def test_flops_count_work_per_use():
+    """A feed-forward both streams run counts twice, shared or not; an expanded mixing counts the
+    rows that run: e >= 1 computes n_ctx hidden rows whatever e (12 min(e, 1) n_ctx d)."""
+    for arch in ('mixer', 'llama'):
+        shared, apart = (tiny(arch=arch, objective='bidirectional', share_ffn=s)
+                         for s in (True, False))
+        assert M.flops_per_token(shared) == M.flops_per_token(apart)
+    e = {x: M.flops_per_token(tiny(expansion=x)) for x in (0.5, 1.0, 2.0)}
+    assert e[2.0] == e[1.0] == e[0.5] + 2 * 6 * N * D  # two layers, 6 n d more than e = 0.5 each
+
+
+FLOP_VARIANTS = VARIANTS + [
+    dict(arch=a, objective=o) for a in ('mixer', 'llama') for o in ('autoencoder', 'half')] + [
+    dict(arch=a, objective='bidirectional', share_ffn=s)
+    for a in ('mixer', 'llama') for s in (True, False)
+] + [dict(objective='half', arch='elita'), dict(objective='bidirectional', pos_channel='every'),
+     dict(objective='autoencoder', pos_channel='input')]
+
+
+@pytest.mark.parametrize('variant', FLOP_VARIANTS, ids=name)
+def test_flops_per_token_is_what_one_training_step_runs(variant):
+    """flops_per_token x tokens = the matmul and convolution FLOPs FlopCounterMode sees in one
+    forward and backward, plus what it cannot see, counted per use: 6 x (biases, norm gains, ELiTA's
+    sinusoid parameters) per token and pass. Its one miscount: a grouped conv's weight gradient
+    (kernel > 1 with heads) costs heads x a dense one there (conv_backward_flop ignores groups)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    cfg = tiny(**variant)
+    model, idx = perturbed(cfg, 0.05), torch.randint(0, V, (2, N))
+    with FlopCounterMode(display=False) as counter:
+        model(idx, M.objective_targets(cfg.objective, idx, idx))[1].backward()
+    unseen, miscount = 0, 0
+    for _, mod in model.named_modules(remove_duplicate=False):  # a shared module runs twice
+        if not isinstance(mod, (M.Mixing, nn.Embedding)):
+            unseen += sum(p.numel() for k, p in mod.named_parameters(recurse=False)
+                          if not (isinstance(mod, nn.Linear) and k == 'weight'))
+        elif isinstance(mod, M.Mixing) and mod.kernel > 1:  # its forward is 1/3 of the 6 x term
+            rows, cols = min(mod.n_out, N), min(mod.n_in, N)
+            forward = 2 * mod.weight[..., 0, 0].numel() * rows * cols * mod.channels / N
+            miscount += (mod.heads - 1) * forward
+    passes, tokens = 2 if cfg.objective == 'mtp2' else 1, idx.numel()
+    expected = tokens * (M.flops_per_token(cfg) - 6 * unseen * passes + miscount)
+    # rel: only the float rounding of the divisions by n_ctx
+    assert counter.get_total_flops() == pytest.approx(expected, rel=1e-12)
+
+
 @pytest.mark.parametrize('variant', [dict(arch=a) for a in ('mixer', 'llama', 'gpt', 'hybrid', 'gmlp', 'elita')] + [
     dict(objective='autoencoder'), dict(objective='bidirectional'), dict(arch='llama', objective='bidirectional')],
     ids=name)  # not the llama autoencoder: it is position-blind (above)
@@ -528,6 +614,8 @@ def test_every_arch_overfits_one_batch(variant):
     (dict(arch='elita', causal=False), 'causal'), (dict(arch='llama', d_model=12, n_heads=4), 'n_heads'),
     (dict(expansion=2.0, n_convs=2), 'n_convs'), (dict(objective='bidirectional', softmax=True), 'softmax'),
     (dict(pos_channel='all'), 'pos_channel'), (dict(hybrid_order='parallel'), 'hybrid_order'),
+    (dict(arch='llama', pos_channel='input'), 'pos_channel'),
+    (dict(n_heads=2, pos_channel='every'), 'pos_channel'),
     (dict(arch='hybrid', hybrid_order='attn'), 'hybrid_order'), (dict(share_ffn=False), 'share_ffn'),
     (dict(objective='bidirectional', share_ffn=1), 'share_ffn')])
 def test_bad_config_is_a_one_line_value_error_naming_the_field(kw, key):
@@ -1249,6 +1337,11 @@ def test_parse_args_presets_and_overrides(tmp_path):
         train.parse_args(['--n_ctx=big'], train.DEFAULTS)
     with pytest.raises(ValueError, match='schedule'):
         train.parse_args(['--schedule=step'], train.DEFAULTS, train.CHOICES)
+    share = [train.parse_args([f'--share_ffn={v}'], train.DEFAULTS)['share_ffn']
+             for v in ('0', 'auto')]
+    assert share == [False, None] and train.DEFAULTS['share_ffn'] is None  # None: as ModelConfig
+    with pytest.raises(ValueError, match='true, false, auto'):
+        train.parse_args(['--share_ffn=maybe'], train.DEFAULTS)
     preset.write_text('n_ctx = undefined_name * 2\n')
     with pytest.raises(ValueError, match=r'p.py:1'):
         train.parse_args([str(preset)], train.DEFAULTS)
@@ -1360,7 +1453,7 @@ def test_info_nce_of_row_shards_averages_to_the_batch(corpus, negatives):
 TRIM = [dict(), dict(n_heads=2, kernel=3, n_convs=2), dict(expansion=1.5), dict(expansion=0.5),
         dict(softmax=True, pos_emb=True), dict(arch='gmlp'), dict(arch='llama'), dict(objective='autoencoder'),
         dict(arch='llama', objective='autoencoder'), dict(objective='half'), dict(arch='llama', objective='half'),
-        dict(arch='gpt'), dict(arch='hybrid'), dict(arch='elita'), dict(causal=False)]
+        dict(arch='gpt'), dict(arch='hybrid'), dict(arch='elita'), dict(causal=False), dict(pos_channel='every')]
 
 
 @pytest.mark.parametrize('variant', TRIM, ids=name)

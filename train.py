@@ -23,6 +23,10 @@ up, then decays as that budget is used (get_lr), so time-budgeted runs are fair 
 bit-reproducible (step budgets are). --dtype=auto picks bf16 autocast where the hardware has it
 and float32 on CPUs that would emulate it (choose_dtype); the first log line says why.
 
+Objective bidirectional: --share_ffn=None (or auto, the default) follows the author's code per
+arch: the mixer's two streams share each block's feed-forward and its norm, llama's are two
+separate stacks; true or false overrides it, and the checkpoint stores what was built.
+
 Files in out_dir: ckpt.pt (last), best.pt (lowest val loss), log.jsonl (one JSON object per log
 line and per evaluation; a resumed run first drops records past its checkpoint's step). A scratch
 run refuses an out_dir that holds a run: resume it, pass --overwrite, or use a new out_dir.
