@@ -72,6 +72,8 @@ class ModelConfig:
         for name in ('vocab_size', 'n_ctx', 'd_model', 'n_layers', 'n_heads', 'kernel', 'n_convs'):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a positive integer")
+        if self.hybrid_order != 'attn_mix' and self.arch != 'hybrid':
+            raise ValueError(f"hybrid_order={self.hybrid_order}: only arch hybrid has one")
         if self.d_model % self.n_heads:
             raise ValueError(f"n_heads={self.n_heads} must divide d_model={self.d_model}")
         if self.arch in ('llama', 'hybrid') and self.d_model // self.n_heads % 2:

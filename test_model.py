@@ -571,14 +571,16 @@ def test_flops_per_token_is_what_one_training_step_runs(variant):
     with FlopCounterMode(display=False) as counter:
         model(idx, M.objective_targets(cfg.objective, idx, idx))[1].backward()
     unseen, miscount = 0, 0
+    channels = {id(m): t.width // t.heads for t in model.modules() if isinstance(t, M.TokenMixing)
+                for m in t.modules()}
     for _, mod in model.named_modules(remove_duplicate=False):  # a shared module runs twice
         if not isinstance(mod, (M.Mixing, nn.Embedding)):
             unseen += sum(p.numel() for k, p in mod.named_parameters(recurse=False)
                           if not (isinstance(mod, nn.Linear) and k == 'weight'))
-        elif isinstance(mod, M.Mixing) and mod.kernel > 1:  # its forward is 1/3 of the 6 x term
-            rows, cols = min(mod.n_out, N), min(mod.n_in, N)
-            forward = 2 * mod.weight[..., 0, 0].numel() * rows * cols * mod.channels / N
-            miscount += (mod.heads - 1) * forward
+        elif isinstance(mod, M.ConvMixing):  # its forward is 1/3 of the 6 x term
+            rows, cols = (min(size, N) for size in mod.weight.shape[-2:])
+            forward = 2 * mod.weight[..., 0, 0].numel() * rows * cols * channels[id(mod)] / N
+            miscount += (mod.weight.shape[0] - 1) * forward
     passes, tokens = 2 if cfg.objective == 'mtp2' else 1, idx.numel()
     expected = tokens * (M.flops_per_token(cfg) - 6 * unseen * passes + miscount)
     # rel: only the float rounding of the divisions by n_ctx
