@@ -1534,6 +1534,39 @@ def test_indirect_trains_and_reports(corpus, capsys, tmp_path):
     assert ckpt['embedder']['ckpt'] == os.path.abspath(corpus.mixer)
 
 
+@pytest.mark.parametrize('normalize', [False, True])
+def test_indirect_feeds_raw_hidden_states(corpus, capsys, tmp_path, monkeypatch, normalize):
+    """As the author's code: the RetrievalMixer reads the frozen model's last hidden states as they
+    are; --normalize=True gives unit rows x sqrt(d_model) instead."""
+    seen = []
+
+    class Recording(M.RetrievalMixer):
+        def forward(self, x, labels=None):
+            seen.append(x.detach().clone())
+            return super().forward(x, labels)
+
+    monkeypatch.setattr(retrieve, 'RetrievalMixer', Recording)
+    code, _, err = run_main(capsys, 'retrieve', 'indirect', f'--ckpt={corpus.mixer}',
+                            f'--data_dir={corpus.data}', f'--out_dir={tmp_path}/ind', '--c=4',
+                            '--n_layers=1', '--max_iters=1', '--eval_iters=1', '--batch_size=8',
+                            '--dtype=float32', '--device=cpu', f'--normalize={normalize}')
+    assert code == 0, err
+    ckpt = train.load_checkpoint(corpus.mixer)      # the full window, here, not through TextEncoder
+    model = train.model_from_checkpoint(ckpt).eval()
+    tok = prepare.Tokenizer.from_meta(ckpt['data']['meta'], str(corpus.data))
+    texts = [t for s in train.SPLITS
+             for side in retrieve.read_pairs(corpus.data / f'pairs_{s}.jsonl') for t in side]
+    idx, mask = retrieve.left_pad([tok.encode(t, bos=True)[:32] for t in texts], 32, tok.pad_id)
+    with torch.no_grad():
+        h = model.hidden(idx, mask)[:, -1]                                          # (N, 32)
+    pool = F.normalize(h, dim=-1) * math.sqrt(32) if normalize else h
+    rows = torch.cat(seen).flatten(0, 1)                                    # every input row
+    dist = torch.cdist(rows, pool, compute_mode='donot_use_mm_for_euclid_dist').min(1).values
+    # trimmed vs full window in fp32: eps 1.2e-7 x norms ~10 x a few ops; the other form is >= 1 off
+    assert dist.max() < 1e-4
+    assert not torch.allclose(h.norm(dim=-1), h.norm(dim=-1).mean())   # raw rows: no common norm
+
+
 def test_index_and_search(corpus, capsys, tmp_path):
     """A document's own text finds it first, at cosine 1 (binary files skipped). An index answers only
     queries embedded by its own weights, and no empty ones; --overwrite rebuilds it for other weights."""
