@@ -1261,6 +1261,22 @@ def test_every_preset_names_its_source_and_builds(preset):
     ModelConfig(vocab_size=8000, **{k: cfg[k] for k in train.MODEL_KEYS})
 
 
+@pytest.mark.parametrize('arch', ['llama', 'gpt'])
+def test_tinystories_transformer_presets_one_per_lr_source(arch):
+    """Table S6's caption (5e-3) and the author's code with §9.5 (2e-4) disagree: one preset for
+    each, the same run otherwise, each docstring naming the source it follows."""
+    runs, docs = {}, {}
+    for name in (f'tinystories_{arch}', f'tinystories_{arch}_s6'):
+        path = os.path.join(HERE, 'config', name + '.py')
+        docs[name] = ast.get_docstring(ast.parse(open(path).read()))
+        runs[name] = train.parse_args([path], train.DEFAULTS, train.CHOICES)
+    code, s6 = runs[f'tinystories_{arch}'], runs[f'tinystories_{arch}_s6']
+    assert (code['lr'], s6['lr']) == (2e-4, 5e-3) and code['out_dir'] != s6['out_dir']
+    assert {k for k in code if code[k] != s6[k]} == {'lr', 'out_dir'}
+    assert "follows the author's code" in docs[f'tinystories_{arch}']
+    assert "follows Table S6's caption" in docs[f'tinystories_{arch}_s6']
+
+
 def test_lr_schedule():
     cfg = dict(train.DEFAULTS, lr=1.0, min_lr=0.1, warmup_iters=9)
     assert train.get_lr(cfg, 0, 0.0) == pytest.approx(0.1) and train.get_lr(cfg, 9, 0.0) == 1.0
