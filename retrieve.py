@@ -11,7 +11,7 @@ Subcommands (python retrieve.py COMMAND --help lists a command's keys and their 
   train     InfoNCE fine-tuning of a pretrained checkpoint on pairs_train.jsonl (§6.3, eqs 7-8)
   eval      top-1 accuracy for many n (Tables 1, 3, 4), MRR@10 and recall@1/5/10 against all targets;
             --peer scores a sentence-transformers model on the same pairs, table for table
-  indirect  a RetrievalMixer trained on the frozen model's embeddings (§6.2, Algorithm 1)
+  indirect  a RetrievalMixer on the frozen model's raw last hidden states (§6.2, Algorithm 1)
   index     embed documents (comma-separated folders, text files, .jsonl files) in n_ctx-token chunks
   search    the best chunks of an index for a query
 
@@ -20,6 +20,8 @@ so n-1 candidates (chance 1/(n-1)); indirect's c and train's paper negatives cou
 A text's embedding (TextEncoder): bos, its first n_ctx tokens left-padded (§6.1), the last hidden
 state at --embed_pos (-1: the last real token; 0: the checkpoint's own), L2-normalised so a dot
 product is eq. 9's cosine; computed in batches under autocast to --dtype, similarities in float32.
+indirect feeds the RetrievalMixer the raw hidden states, as the author's code does
+(--normalize=True: the unit embeddings x sqrt(d_model), every component O(1)).
 
 train and indirect run train.py's fit: its loop keys (--lr, --batch_size, --grad_accum, --max_iters,
 --max_time, --dtype, --device, --compile, ...), DDP (torchrun --standalone --nproc_per_node=4
@@ -72,6 +74,7 @@ INDIRECT = dict(
     batch_size=64,          # retrieval inputs per micro-batch (the paper used 512)
     lr=1e-3,                # paper: 1e-4 at batch 512 for many epochs; 1e-3 learns in CPU-sized runs
     max_iters=500,
+    normalize=False,        # False: raw hidden states, as the author's code; True: unit rows x √d
     json='',                # also write {"c": {"32": {"loss": .., "top1": ..}, ..}} here
 )
 EVAL = dict(
@@ -163,24 +166,25 @@ def length_groups(lengths, overhead):
 
 class TextEncoder(nn.Module):
     """A language model as a text encoder: (B, n_ctx) left-padded tokens -> (B, d_model) unit rows, the
-    last hidden state at window position embed_pos. Left padding puts every text's last token at -1,
-    a position a masked mixer (a weight per position) was trained on (the paper read -2: its models
-    shifted targets inside and never trained the last; train.py shifts in its loader). trim: rows
-    grouped by length, each group run on its own real columns (model.hidden's keep), the full
-    window's embeddings for less compute. state_dict is the model's: a retrieval checkpoint is a
-    model checkpoint."""
+    last hidden state at window position embed_pos (normalize=False: the raw hidden state). Left
+    padding puts every text's last token at -1, a position a masked mixer (a weight per position)
+    was trained on (the paper read -2: its models shifted targets inside and never trained the
+    last; train.py shifts in its loader). trim: rows grouped by length, each group run on its own
+    real columns (model.hidden's keep), the full window's embeddings for less compute. state_dict
+    is the model's: a retrieval checkpoint is a model checkpoint."""
 
-    def __init__(self, model, embed_pos=-1, trim=True):
+    def __init__(self, model, embed_pos=-1, trim=True, normalize=True):
         super().__init__()
-        self.model, self.embed_pos = model, embed_pos
+        self.model, self.embed_pos, self.normalize = model, embed_pos, normalize
         backbone = getattr(model, 'backbone', getattr(model, 'encoder', None))
         self.trim = trim and getattr(backbone, 'trims', False)
         if not -model.cfg.n_ctx <= embed_pos < model.cfg.n_ctx:
             raise ValueError(f"embed_pos={embed_pos} is outside the n_ctx={model.cfg.n_ctx} window: use -1 or -2")
 
     def forward(self, idx, mask):
+        unit = F.normalize if self.normalize else lambda h, dim: h   # raw: indirect's inputs
         if not self.trim:
-            return F.normalize(self.model.hidden(idx, mask)[:, self.embed_pos].float(), dim=-1)
+            return unit(self.model.hidden(idx, mask)[:, self.embed_pos].float(), dim=-1)
         n = idx.shape[1]
         at = self.embed_pos % n                                   # the embedding's window position
         order, runs = length_groups(mask.sum(1).clamp(min=n - at).cpu(), overhead=n)
@@ -191,7 +195,7 @@ class TextEncoder(nn.Module):
             keep = max(n - at, int(mask[rows].sum(1).max()))       # the real columns of the group's longest
             h.append(self.model.hidden(idx[rows], mask[rows], keep)[:, at - n])   # (b - a, d_model)
         h = torch.cat(h)[torch.argsort(order)]                    # back to the batch's order
-        return F.normalize(h.float(), dim=-1)
+        return unit(h.float(), dim=-1)
 
     def state_dict(self, *args, **kwargs):
         return self.model.state_dict(*args, **kwargs)
@@ -200,20 +204,23 @@ class TextEncoder(nn.Module):
         return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
-def text_encoder(ckpt, path, embed_pos=0):
+def text_encoder(ckpt, path, embed_pos=0, normalize=True):
     """The TextEncoder of an 'lm' or 'retrieval' checkpoint; embed_pos 0 takes the one it records, else -1."""
     if ckpt.get('kind') not in ('lm', 'retrieval'):
         raise ValueError(f"{path} is a {ckpt.get('kind')!r} checkpoint: embeddings come from an "
                          f"'lm' (train.py) or 'retrieval' (retrieve.py train) checkpoint")
-    return TextEncoder(train.model_from_checkpoint(ckpt), embed_pos or ckpt.get('embed_pos', -1))
+    return TextEncoder(train.model_from_checkpoint(ckpt), embed_pos or ckpt.get('embed_pos', -1),
+                       normalize=normalize)
 
 
 class Embedder:
-    """A checkpoint's encoder and tokenizer: texts -> unit embeddings (N, d_model), batched, no grad."""
+    """A checkpoint's encoder and tokenizer: texts -> unit embeddings (N, d_model), batched, no grad
+    (normalize=False: the raw last hidden states)."""
 
-    def __init__(self, ckpt_path, device='auto', dtype='auto', batch_size=32, embed_pos=0):
+    def __init__(self, ckpt_path, device='auto', dtype='auto', batch_size=32, embed_pos=0,
+                 normalize=True):
         ckpt = train.load_checkpoint(ckpt_path)
-        self.encoder = text_encoder(ckpt, ckpt_path, embed_pos)
+        self.encoder = text_encoder(ckpt, ckpt_path, embed_pos, normalize)
         h, weights = hashlib.sha256(), ckpt['model']     # a hash of the weights: an index knows who embedded it
         for name in sorted(weights):
             h.update(name.encode())
@@ -465,17 +472,20 @@ def indirect_accuracy(model, q_emb, t_emb, c, seed, batch=256):
 
 def cmd_indirect(cfg):
     """Frozen embeddings, a RetrievalMixer per c (paper §6.2): how much retrieval the pretrained
-    embeddings carry, without changing the model that made them."""
+    embeddings carry, without changing the model that made them. The inputs are the raw hidden
+    states at embed_pos, as the author's code feeds them (normalize=True: unit rows x sqrt(d))."""
     pairs = {s: read_pairs(os.path.join(cfg['data_dir'], f'pairs_{s}.jsonl')) for s in train.SPLITS}
     cs = capped(int_list(cfg['c'], 'c', low=3), 'c', min(len(pairs[s][0]) for s in pairs))
     for c in cs:  # every output location, before any embedding or training
         check_out_dir(os.path.join(cfg['out_dir'], f'c{c}'), True, cfg['overwrite'], resumable=False)
     rt = train.setup_runtime(cfg)
     try:
-        embedder = Embedder(cfg['ckpt'], rt.device, cfg['dtype'], embed_pos=cfg['embed_pos'])
+        embedder = Embedder(cfg['ckpt'], rt.device, cfg['dtype'], embed_pos=cfg['embed_pos'],
+                            normalize=cfg['normalize'])
         t0 = time.perf_counter()
-        # unit embeddings scaled to unit RMS per component: the mixer's inputs stay O(1) whatever d_model
-        emb = {s: tuple(embedder(texts) * math.sqrt(embedder.d_model) for texts in pairs[s]) for s in train.SPLITS}
+        # normalize: unit rows scaled to unit RMS per component, O(1) inputs whatever d_model
+        scale = math.sqrt(embedder.d_model) if cfg['normalize'] else 1.0
+        emb = {s: tuple(embedder(texts) * scale for texts in pairs[s]) for s in train.SPLITS}
         if rt.master:
             print(f"embedded {sum(2 * len(pairs[s][0]) for s in pairs)} texts with {cfg['ckpt']} in "
                   f"{time.perf_counter() - t0:.1f}s (frozen, embed_pos {embedder.encoder.embed_pos})")
@@ -495,7 +505,9 @@ def cmd_indirect(cfg):
             model = RetrievalMixer(**mixer)
             extra = {'kind': 'indirect', 'retrieval_mixer': mixer,
                      'embedder': dict(ckpt=embedder.path, fingerprint=embedder.fingerprint,
-                                      embed_pos=embedder.encoder.embed_pos), 'data': embedder.data}
+                                      embed_pos=embedder.encoder.embed_pos,
+                                      normalize=cfg['normalize']),
+                     'data': embedder.data}
             stats = train.fit(dict(cfg, out_dir=os.path.join(cfg['out_dir'], f'c{c}')), rt, model, get_batch,
                               lambda m, b: m(b[1], b[2])[1], extra)
             if stats['stopped'] == 'diverged':

@@ -1,0 +1,28 @@
+"""TinyStories, paper Table S6 (4x V100, 2.25 h), its column "GPT, b = 32" (train 1.82, eval 1.77;
+§4.4, fig 5): GPT-1 (learned positions, post-norm, tanh GELU) with the caption's other settings,
+d_model 512, 8 layers, 4 heads.
+Learning rate: this preset follows Table S6's caption, eta = 0.005. config/tinystories_gpt.py is
+the same run at 2e-4, the rate of §9.5 and of the author's transformer trainers.
+Unlike GPT-1 (and the Hugging Face model the paper ran) there is no dropout, and the head is
+untied unless --tie_weights=True (GPT-1 tied it).
+Batch: 32 per GPU, as the blog's DDP runs (128 per update on 4 GPUs).
+Data: python prepare.py tinystories --max_docs=2000000 (the paper's first 2M stories, 4096 BPE).
+Budget: torchrun --standalone --nproc_per_node=4 train.py config/tinystories_gpt_s6.py; the 3060
+runs were 12 h on one GPU (--max_time=43200)."""
+data_dir = 'data/tinystories'
+out_dir = 'out/tinystories_gpt_s6'
+arch = 'gpt'
+d_model = 512
+n_layers = 8
+n_heads = 4                # head number tuned as for the Llama baseline
+n_ctx = 512
+batch_mode = 'documents'   # one story per row, right-padded; pads masked out of attention and loss
+batch_size = 32            # per micro-batch (per GPU): Table S6's b = 32
+grad_accum = 4             # 4 GPUs: one micro-batch each; 1 GPU: 4 micro-batches per step
+lr = 5e-3                  # Table S6's caption
+warmup_iters = 500
+max_iters = 0
+max_time = 8100.0          # seconds of training: 2.25 h
+eval_interval = 1000
+eval_iters = 50
+log_interval = 50
