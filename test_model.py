@@ -519,12 +519,14 @@ def test_retrieval_mixer_only_position_dependence_is_its_mixing_weights():
     assert torch.allclose(net(x[:, perm])[0], logits[:, perm[1:] - 1])
 
 
-def test_checkpoints_from_before_per_mixing_biases_load():
-    """A one-mixing bias saved as (heads, n_out, 1) loads into today's (1, heads, n_out, 1)."""
-    model, again = make(tiny()), build_model(tiny()).double()
-    again.load_state_dict({k: v[0] if k.endswith('mix.bias') else v for k, v in model.state_dict().items()})
-    idx = torch.randint(0, V, (2, N))
-    assert torch.equal(again(idx)[0], model(idx)[0])
+def test_checkpoints_of_the_older_layout_are_refused_in_one_line(tmp_path):
+    """Weights saved when blocks were lists of sublayers ('blocks.0.layers.0...') are not
+    migrated: loading them names the commit that reads them."""
+    sd = {k.replace('mixers.0', 'layers.0').replace('ffn', 'layers.1'): v
+          for k, v in build_model(tiny()).state_dict().items()}
+    train.save_checkpoint({'kind': 'lm', 'model': sd, 'model_config': {}}, tmp_path / 'old.pt')
+    with pytest.raises(ValueError, match=f'older model layout.*{train.OLD_LAYOUT}'):
+        train.load_checkpoint(tmp_path / 'old.pt')
 
 
 def test_param_counts_and_flops():
