@@ -50,7 +50,7 @@ DEFAULT_NS = tuple(2 ** k for k in range(5, 14))   # 32, 64, ..., 8192: the colu
 
 EMBED = dict(
     device='auto',          # auto (cuda if present), cpu or cuda[:i]
-    dtype='auto',           # autocast dtype (auto: bf16 where the hardware has it natively, else float32)
+    dtype='auto',           # autocast; auto: bf16 where native, else fp32 (embed: the trained one)
     batch_size=32,          # texts per forward pass (train: queries per micro-batch, 2 x 32 or 32 x 32 sequences)
     embed_pos=0,            # window position of the embedding; 0 = the checkpoint's (-1 unless it recorded another)
 )
@@ -227,7 +227,7 @@ class Embedder:
             h.update(weights[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         self.path, self.fingerprint = os.path.abspath(ckpt_path), h.hexdigest()[:16]
         self.device = train.resolve_device(str(device))
-        self.dtype, _ = train.choose_dtype(self.device, dtype)
+        self.dtype, _ = train.reading_dtype(self.device, dtype, ckpt.get('dtype'))  # never emulated
         self.batch_size = batch_size
         self.encoder.to(self.device).eval()
         self.n_ctx, self.d_model = self.encoder.model.cfg.n_ctx, self.encoder.model.cfg.d_model
@@ -331,7 +331,7 @@ def cmd_train(cfg):
     embed_pos, n_ctx = encoder.embed_pos, encoder.model.cfg.n_ctx
     check_out_dir(cfg['out_dir'], resume is None, cfg['overwrite'])
     get_batch = PairBatches(cfg, Tokenizer.from_meta(src['data']['meta'], src['data']['data_dir']), n_ctx)
-    rt = train.setup_runtime(cfg)
+    rt = train.setup_runtime(cfg, resume and resume.get('dtype'))  # a resumed run keeps its dtype
     try:
         # freeze what embeddings do not use (lm head, a decoder): AdamW and DDP skip it, DDP waits for no gradient
         encoder(torch.zeros(1, n_ctx, dtype=torch.long), torch.ones(1, n_ctx, dtype=torch.bool)).sum().backward()
