@@ -589,6 +589,30 @@ def cmd_index(cfg):
     return 0
 
 
+# each field search reads from an index's manifest.json, and the type cmd_index writes it as
+MANIFEST = dict(embeddings=str, chunks=str, n_chunks=int, ckpt=str, embed_pos=int, fingerprint=str)
+
+
+def rebuild_index(index):
+    return f"rebuild the index with python retrieve.py index --ckpt=CKPT --docs=PATH --index={index} --overwrite"
+
+
+def read_manifest(path):
+    """An index's manifest.json as a dict; unreadable JSON or a missing/mistyped field is an error naming
+    the file and how to rebuild the index."""
+    fix = rebuild_index(os.path.dirname(path))
+    try:
+        manifest = json.loads(read_text_file(path, 'index manifest'))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"index manifest {path} is not valid JSON ({e}): {fix}") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"index manifest {path} is not a JSON object: {fix}")
+    for key, kind in MANIFEST.items():
+        if not isinstance(manifest.get(key), kind) or isinstance(manifest[key], bool):
+            raise ValueError(f"index manifest {path} has no {kind.__name__} field {key!r}: {fix}")
+    return manifest
+
+
 def cmd_search(cfg):
     if not cfg['query'].strip():
         raise ValueError("empty query: pass the text to look for, e.g. --query=\"open a file\"")
@@ -596,11 +620,18 @@ def cmd_search(cfg):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no index at {index}: build one with python retrieve.py index "
                                 f"--ckpt=CKPT --docs=PATH --index={index}")
-    manifest = json.loads(read_text_file(path, 'index manifest'))
-    emb = torch.from_numpy(np.load(os.path.join(index, manifest['embeddings'])))    # (N, d) float32
-    chunks = [row for _, row in read_jsonl(os.path.join(index, manifest['chunks']))]
+    manifest, rebuild = read_manifest(path), rebuild_index(index)
+    emb_path, chunks_path = (os.path.join(index, manifest[k]) for k in ('embeddings', 'chunks'))
+    try:   # a data file deleted or cut short
+        emb = torch.from_numpy(np.load(emb_path))                                       # (N, d) float32
+    except (OSError, ValueError, EOFError) as e:
+        raise ValueError(f"index data {emb_path} cannot be read ({e}): {rebuild}") from None
+    try:
+        chunks = [row for _, row in read_jsonl(chunks_path)]
+    except (OSError, ValueError) as e:
+        raise ValueError(f"index data {chunks_path} cannot be read ({e}): {rebuild}") from None
     if not len(emb) == len(chunks) == manifest['n_chunks']:
-        raise ValueError(f"index {index} is incomplete (embeddings and chunks disagree): rebuild it")
+        raise ValueError(f"index {index} is incomplete (embeddings and chunks disagree): {rebuild}")
     embedder = Embedder(cfg['ckpt'] or manifest['ckpt'], cfg['device'], cfg['dtype'], embed_pos=manifest['embed_pos'])
     if embedder.fingerprint != manifest['fingerprint']:
         raise ValueError(f"index {index} was built with other weights ({manifest['ckpt']}, fingerprint "

@@ -1564,6 +1564,41 @@ def test_index_and_search(corpus, capsys, tmp_path):
     assert sorted(p.name.split('.')[0] for p in index.iterdir()) == ['chunks', 'embeddings', 'manifest']  # no leftovers
 
 
+GOOD_MANIFEST = dict(ckpt='x.pt', fingerprint='ab12', embed_pos=-1, n_ctx=32, n_chunks=4, n_documents=2,
+                     embeddings='embeddings.ab12.npy', chunks='chunks.ab12.jsonl')
+BROKEN_INDEXES = {   # manifest.json's text, and what the other files are cut to
+    'truncated': (json.dumps(GOOD_MANIFEST)[:30], {}), 'list': ('[1, 2]', {}),
+    **{f'no-{k}': (json.dumps({n: v for n, v in GOOD_MANIFEST.items() if n != k}), {}) for k in GOOD_MANIFEST
+       if k not in ('n_ctx', 'n_documents')},   # the fields search reads
+    'n_chunks-str': (json.dumps({**GOOD_MANIFEST, 'n_chunks': '4'}), {}),
+    'deleted-npy': (json.dumps(GOOD_MANIFEST), {'embeddings.ab12.npy': None}),
+    'cut-npy': (json.dumps(GOOD_MANIFEST), {'embeddings.ab12.npy': 100}),
+    'empty-npy': (json.dumps(GOOD_MANIFEST), {'embeddings.ab12.npy': 0}),
+    'deleted-jsonl': (json.dumps(GOOD_MANIFEST), {'chunks.ab12.jsonl': None}),
+}
+
+
+@pytest.mark.parametrize('broken', BROKEN_INDEXES)
+def test_search_broken_index(broken, capsys, tmp_path):
+    """An index whose manifest or data files are damaged: one error line naming the file and the
+    command that rebuilds the index, exit 2, nothing changed."""
+    text, cuts = BROKEN_INDEXES[broken]
+    index = tmp_path / 'index'
+    index.mkdir()
+    buf = io.BytesIO()
+    np.save(buf, np.zeros((4, 8), np.float32))
+    files = {'manifest.json': text.encode(), 'embeddings.ab12.npy': buf.getvalue(),
+             'chunks.ab12.jsonl': b'{"source": "a", "offset": 0, "text": "x"}\n' * 4}
+    for name, data in files.items():
+        if cuts.get(name, len(data)) is not None:
+            (index / name).write_bytes(data[:cuts.get(name, len(data))])
+    culprit = next((n for n in cuts), 'manifest.json')
+    refused(capsys, 'retrieve', ['search', f'--index={index}', '--query=x'], str(index / culprit), keep=[tmp_path])
+    code, _, err = run_main(capsys, 'retrieve', 'search', f'--index={index}', '--query=x')
+    assert f'retrieve.py index --ckpt=CKPT --docs=PATH --index={index} --overwrite' in err
+    assert broken[3:] not in GOOD_MANIFEST or repr(broken[3:]) in err, err     # the missing field named
+
+
 def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     """60 InfoNCE steps from an untrained LM beat chance 3x; the lm head stays frozen; the result is
     an ordinary model checkpoint, and --init_from=resume continues it."""
