@@ -594,12 +594,13 @@ MANIFEST = dict(embeddings=str, chunks=str, n_chunks=int, ckpt=str, embed_pos=in
 
 
 def rebuild_index(index):
-    return f"rebuild the index with python retrieve.py index --ckpt=CKPT --docs=PATH --index={index} --overwrite"
+    return (f"rebuild the index with python retrieve.py index --ckpt=CKPT --docs=PATH "
+            f"--index={index} --overwrite")
 
 
 def read_manifest(path):
-    """An index's manifest.json as a dict; unreadable JSON or a missing/mistyped field is an error naming
-    the file and how to rebuild the index."""
+    """An index's manifest.json as a dict; unreadable JSON or a missing/mistyped field is an error
+    naming the file and how to rebuild the index."""
     fix = rebuild_index(os.path.dirname(path))
     try:
         manifest = json.loads(read_text_file(path, 'index manifest'))
@@ -623,7 +624,7 @@ def cmd_search(cfg):
     manifest, rebuild = read_manifest(path), rebuild_index(index)
     emb_path, chunks_path = (os.path.join(index, manifest[k]) for k in ('embeddings', 'chunks'))
     try:   # a data file deleted or cut short
-        emb = torch.from_numpy(np.load(emb_path))                                       # (N, d) float32
+        emb = torch.from_numpy(np.load(emb_path))                     # (N, d) float32
     except (OSError, ValueError, EOFError) as e:
         raise ValueError(f"index data {emb_path} cannot be read ({e}): {rebuild}") from None
     try:

@@ -1564,12 +1564,12 @@ def test_index_and_search(corpus, capsys, tmp_path):
     assert sorted(p.name.split('.')[0] for p in index.iterdir()) == ['chunks', 'embeddings', 'manifest']  # no leftovers
 
 
-GOOD_MANIFEST = dict(ckpt='x.pt', fingerprint='ab12', embed_pos=-1, n_ctx=32, n_chunks=4, n_documents=2,
-                     embeddings='embeddings.ab12.npy', chunks='chunks.ab12.jsonl')
+GOOD_MANIFEST = dict(ckpt='x.pt', fingerprint='ab12', embed_pos=-1, n_ctx=32, n_chunks=4,
+                     n_documents=2, embeddings='embeddings.ab12.npy', chunks='chunks.ab12.jsonl')
 BROKEN_INDEXES = {   # manifest.json's text, and what the other files are cut to
     'truncated': (json.dumps(GOOD_MANIFEST)[:30], {}), 'list': ('[1, 2]', {}),
-    **{f'no-{k}': (json.dumps({n: v for n, v in GOOD_MANIFEST.items() if n != k}), {}) for k in GOOD_MANIFEST
-       if k not in ('n_ctx', 'n_documents')},   # the fields search reads
+    **{f'no-{k}': (json.dumps({n: v for n, v in GOOD_MANIFEST.items() if n != k}), {})
+       for k in GOOD_MANIFEST if k not in ('n_ctx', 'n_documents')},   # the fields search reads
     'n_chunks-str': (json.dumps({**GOOD_MANIFEST, 'n_chunks': '4'}), {}),
     'deleted-npy': (json.dumps(GOOD_MANIFEST), {'embeddings.ab12.npy': None}),
     'cut-npy': (json.dumps(GOOD_MANIFEST), {'embeddings.ab12.npy': 100}),
@@ -1593,10 +1593,11 @@ def test_search_broken_index(broken, capsys, tmp_path):
         if cuts.get(name, len(data)) is not None:
             (index / name).write_bytes(data[:cuts.get(name, len(data))])
     culprit = next((n for n in cuts), 'manifest.json')
-    refused(capsys, 'retrieve', ['search', f'--index={index}', '--query=x'], str(index / culprit), keep=[tmp_path])
+    refused(capsys, 'retrieve', ['search', f'--index={index}', '--query=x'], str(index / culprit),
+            keep=[tmp_path])
     code, _, err = run_main(capsys, 'retrieve', 'search', f'--index={index}', '--query=x')
     assert f'retrieve.py index --ckpt=CKPT --docs=PATH --index={index} --overwrite' in err
-    assert broken[3:] not in GOOD_MANIFEST or repr(broken[3:]) in err, err     # the missing field named
+    assert broken[3:] not in GOOD_MANIFEST or repr(broken[3:]) in err, err   # the field named
 
 
 def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
@@ -1667,6 +1668,32 @@ def test_bench_throughput_rows_and_mfu(tmp_path):
     for r in rows:
         assert 0 < r['mfu'] <= 1 and r['tokens_per_s'] > 0 and r['peak_flops'] > 1e8
         assert r['tokens_per_s'] == pytest.approx(2 * 16 / (r['ms_per_step'] / 1e3))
+
+
+def test_bench_throughput_oom_row_and_json_as_rows_finish(tmp_path, monkeypatch, capsys):
+    """A model that cannot be allocated is an OOM row, as in memory mode; --json holds each row as
+    soon as it is measured, so an interrupt after two rows leaves both."""
+    build = bench.build_model
+
+    def build_or_fail(cfg):
+        if cfg.n_ctx == 24:   # what torch's CPU allocator raises past `ulimit -v`
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate")
+        if cfg.n_ctx == 32:
+            raise KeyboardInterrupt
+        return build(cfg)
+    monkeypatch.setattr(bench, 'build_model', build_or_fail)
+    tiny = [a for a in BENCH_TINY if not a.startswith('--n_ctx')]
+    argv = ['throughput', '--archs=mixer', *tiny, '--warmup=1', '--repeats=1',
+            f'--json={tmp_path}/rows.json']
+    code, out, err = run_main(capsys, 'bench', *argv, '--n_ctx=16,24,32')
+    rows = json.loads((tmp_path / 'rows.json').read_text())
+    assert code == 130 and 'Traceback' not in err and 'mixer n_ctx=24: OOM' in out, (code, err)
+    assert [(r['n_ctx'], r['tokens_per_s'] is None, r['mfu'] is None) for r in rows] == [
+        (16, False, False), (24, True, True)]
+    rows = bench.main(argv + ['--n_ctx=24,16'])   # a whole run: an OOM row, then a measured one
+    assert [r['ms_per_step'] is None for r in rows] == [True, False]
+    assert json.loads((tmp_path / 'rows.json').read_text()) == rows
+    assert '| mixer | 24 | 32 | 1 | 2 | float32 | OOM | OOM | OOM |' in capsys.readouterr().out
 
 
 def test_bench_retrieval_times_full_and_trimmed_steps(corpus):
