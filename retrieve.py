@@ -322,10 +322,12 @@ def cmd_train(cfg):
         src, init_from = train.load_checkpoint(cfg['init_from']), os.path.abspath(cfg['init_from'])
     encoder = text_encoder(src, cfg['init_from'], cfg['embed_pos'])
     embed_pos, n_ctx = encoder.embed_pos, encoder.model.cfg.n_ctx
-    check_out_dir(cfg['out_dir'], resume is None, cfg['overwrite'])
-    get_batch = PairBatches(cfg, Tokenizer.from_meta(src['data']['meta'], src['data']['data_dir']), n_ctx)
     rt = train.setup_runtime(cfg)
-    try:
+    try:   # every rank learns of a refusal (see check_on_every_rank)
+        train.check_on_every_rank(rt, lambda: check_out_dir(cfg['out_dir'], resume is None,
+                                                            cfg['overwrite']))
+        tok = Tokenizer.from_meta(src['data']['meta'], src['data']['data_dir'])
+        get_batch = PairBatches(cfg, tok, n_ctx)
         # freeze what embeddings do not use (lm head, a decoder): AdamW and DDP skip it, DDP waits for no gradient
         encoder(torch.zeros(1, n_ctx, dtype=torch.long), torch.ones(1, n_ctx, dtype=torch.bool)).sum().backward()
         for p in encoder.parameters():
@@ -468,10 +470,11 @@ def cmd_indirect(cfg):
     embeddings carry, without changing the model that made them."""
     pairs = {s: read_pairs(os.path.join(cfg['data_dir'], f'pairs_{s}.jsonl')) for s in train.SPLITS}
     cs = capped(int_list(cfg['c'], 'c', low=3), 'c', min(len(pairs[s][0]) for s in pairs))
-    for c in cs:  # every output location, before any embedding or training
-        check_out_dir(os.path.join(cfg['out_dir'], f'c{c}'), True, cfg['overwrite'], resumable=False)
     rt = train.setup_runtime(cfg)
-    try:
+    try:   # every output location, before any embedding or training, on every rank
+        outs = [os.path.join(cfg['out_dir'], f'c{c}') for c in cs]
+        train.check_on_every_rank(rt, lambda: [check_out_dir(out, True, cfg['overwrite'],
+                                                             resumable=False) for out in outs])
         embedder = Embedder(cfg['ckpt'], rt.device, cfg['dtype'], embed_pos=cfg['embed_pos'])
         t0 = time.perf_counter()
         # unit embeddings scaled to unit RMS per component: the mixer's inputs stay O(1) whatever d_model

@@ -1178,6 +1178,39 @@ def test_ddp_two_processes_equal_one(data, tmp_path, accum):
     assert any(not torch.allclose(v, start[k]) for k, v in a['model'].items())
 
 
+def test_ddp_refusal_reaches_every_rank(data, tmp_path):
+    """Two ranks at a folder that holds a run: both exit 2 with one error line and no traceback,
+    the run untouched. Launched with the variables torchrun sets (torchrun itself reports a
+    failed child with a traceback of its own, and stops the others when one exits), then by it."""
+    run = tmp_path / 'run'
+    run.mkdir()
+    (run / 'ckpt.pt').write_bytes(b'a long run')
+    argv = [os.path.join(HERE, 'train.py'), f'--data_dir={data}', *TINY, '--max_iters=2',
+            f'--out_dir={run}']
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    env = dict(ENV, WORLD_SIZE='2', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, *argv], **pipes,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)]
+    try:
+        err = ''.join(p.communicate(timeout=120)[1] for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+    errors = [line for line in err.splitlines() if line.startswith('error:')]
+    assert [p.returncode for p in procs] == [2, 2] and 'Traceback' not in err, err
+    assert len(errors) == 1 and 'already holds a run' in errors[0], err
+    proc = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                           '--nproc_per_node=2', *argv], env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
+    assert proc.returncode and len(errors) == 1, proc.stderr
+    assert '[rank' not in proc.stderr, proc.stderr            # no rank's traceback
+    assert os.listdir(run) == ['ckpt.pt'] and (run / 'ckpt.pt').read_bytes() == b'a long run'
+
+
 def test_kill9_then_resume_is_bit_identical(data, tmp_path):
     """kill -9 at an arbitrary step (not at a checkpoint), then --init_from=resume: the weights,
     the optimizer state and the log equal those of an uninterrupted run, bit for bit."""
