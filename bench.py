@@ -331,8 +331,9 @@ def bench_retrieval(s):
     try:
         tok = Tokenizer.from_meta(load_meta(data_dir), data_dir)
         pairs = PairBatches(dict(data_dir=data_dir, batch_size=s.batch_size, negatives='inbatch', seed=s.seed), tok, 0)
-    except (ValueError, FileNotFoundError) as e:
-        raise ValueError(f"retrieval needs prepared pairs ({e}): run python prepare.py or pass --data_dir") from None
+    except FileNotFoundError as e:  # a file of the data dir; a ValueError already names its own fix
+        raise ValueError(f"{e}: retrieval needs a data dir prepared with pairs (python prepare.py, "
+                         f"or prepare.py text --pairs=ict), or pass --data_dir") from None
     rows = []
     for cfg in grid(s):
         pairs.n_ctx = cfg.n_ctx

@@ -1737,6 +1737,15 @@ def test_bench_retrieval_times_full_and_trimmed_steps(corpus):
     assert all(r['ms_per_step'] > 0 and 0 < r['real_tokens'] < 1 for r in rows)
 
 
+@pytest.mark.parametrize('where', ['nowhere', 'no pairs'])
+def test_bench_retrieval_refusal_says_it_once(where, data, capsys, tmp_path):
+    """No prepared data, or data without pairs: one error naming it, its advice given once."""
+    data_dir = tmp_path / 'nothing' if where == 'nowhere' else data
+    refused(capsys, 'bench', ['retrieval', f'--data_dir={data_dir}'], str(data_dir))
+    err = run_main(capsys, 'bench', 'retrieval', f'--data_dir={data_dir}')[2].splitlines()[-1]
+    assert err.count('python prepare.py') == 1 and err.count('--data_dir') == 1, err
+
+
 def test_bench_memory(capsys):
     """A cell's peak grows with the model, is laid out like Tables S9/S10, and is None (OOM) past
     --mem_limit. --n_heads reaches llama's cells (Table S10 used 32 heads) but not a mixer's."""
