@@ -668,6 +668,23 @@ def test_sample_run_from_the_shell_exits_2_without_traceback():
     assert 'Traceback' not in r.stderr
 
 
+def test_sample_compile_keeps_the_terminal_clean(data, tmp_path, capsys):
+    """sample.py --compile, first use (an empty inductor cache, so max-autotune times its kernels):
+    no autotune tables on stderr, the compile time on a line of its own, then the usual tokens/s
+    line, and the eager run's text. Costs ~30-60 s on 2 busy cores (inductor builds C++ kernels)."""
+    ckpt = make_ckpt(tmp_path / 'tiny.pt', data, d_model=16, n_layers=1)
+    argv = [f'--ckpt={ckpt}', '--prompt=def f', '--max_new_tokens=6', '--temperature=0']
+    eager = run_main(capsys, 'sample', *argv)[1]
+    fresh = dict(ENV, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / 'inductor'))
+    r = subprocess.run([sys.executable, 'sample.py', *argv, '--compile'], capture_output=True,
+                       text=True, cwd=HERE, env=fresh, timeout=600)
+    lines = r.stderr.splitlines()
+    assert r.returncode == 0 and len(lines) == 3 and lines[0].startswith('sampling from'), r.stderr
+    assert re.fullmatch(r'compiled the cached step in \d+\.\d s .*', lines[1]), r.stderr
+    assert re.fullmatch(r'\d+ tokens .* in \d+\.\d+ s \(\d+\.\d tokens/s\)', lines[2]), r.stderr
+    assert r.stdout == eager
+
+
 def test_stream_prints_whole_characters_and_each_row_stops_at_its_eos(capsys):
     """Tokens are UTF-8 bytes here, so a character can span tokens (as with byte-fallback BPE pieces):
     no U+FFFD pieces of it print; nothing after a row's end of document (the batch stops when all rows
