@@ -17,7 +17,9 @@ Conventions shared by every model in this file
   None. `model.hidden(idx)` returns the last hidden states (B, T, d_model) for retrieval.
 """
 import math
+import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,6 +27,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+
+# max-autotune writes a table of timings per tuned op to stderr as it compiles: off, unless
+# asked for with inductor's own TORCHINDUCTOR_AUTOTUNE_NUM_CHOICES_DISPLAYED or
+# TORCHINDUCTOR_MAX_AUTOTUNE_REPORT_CHOICES_STATS
+QUIET_AUTOTUNE = {key: value for key, value, env in [
+    ('autotune_num_choices_displayed', 0, 'TORCHINDUCTOR_AUTOTUNE_NUM_CHOICES_DISPLAYED'),
+    ('max_autotune_report_choices_stats', False, 'TORCHINDUCTOR_MAX_AUTOTUNE_REPORT_CHOICES_STATS')]
+    if env not in os.environ}
 
 ARCHS = ('mixer', 'llama', 'gpt', 'hybrid', 'gmlp', 'elita')
 OBJECTIVES = ('clm', 'autoencoder', 'bidirectional', 'mtp2', 'half')
@@ -453,7 +463,11 @@ class LanguageModel(nn.Module):
         ~1.2-1.3x faster (README). Frozen means later changes to the weights are not seen: stream() then refuses."""
         if next(self.parameters()).device.type != 'cpu':
             return torch.compile(self.decode_step, dynamic=True)
-        compiled = torch.compile(self.decode_step, dynamic=True, options=dict(max_autotune=True))
+        compiled = torch.compile(self.decode_step, dynamic=True,
+                                 options=dict(max_autotune=True, **QUIET_AUTOTUNE))
+        # nor the deprecation warning that max-autotune's CPU benchmarks raise inside torch
+        warnings.filterwarnings('ignore', 'TypedStorage is deprecated', UserWarning,
+                                r'torch\._inductor')
         config, self._frozen_versions = torch._inductor.config, param_versions(self)
 
         def step(tok, pos, cache):  # dynamo reads `freezing` as it traces, inside the call (patch() costs ~40 us)

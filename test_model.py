@@ -759,6 +759,23 @@ def test_sample_run_from_the_shell_exits_2_without_traceback():
     assert 'Traceback' not in r.stderr
 
 
+def test_sample_compile_keeps_the_terminal_clean(data, tmp_path, capsys):
+    """sample.py --compile, first use (an empty inductor cache, so max-autotune times its kernels):
+    no autotune tables on stderr, the compile time on a line of its own, then the usual tokens/s
+    line, and the eager run's text. Costs ~30-60 s on 2 busy cores (inductor builds C++ kernels)."""
+    ckpt = make_ckpt(tmp_path / 'tiny.pt', data, d_model=16, n_layers=1)
+    argv = [f'--ckpt={ckpt}', '--prompt=def f', '--max_new_tokens=6', '--temperature=0']
+    eager = run_main(capsys, 'sample', *argv)[1]
+    fresh = dict(ENV, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / 'inductor'))
+    r = subprocess.run([sys.executable, 'sample.py', *argv, '--compile'], capture_output=True,
+                       text=True, cwd=HERE, env=fresh, timeout=600)
+    lines = r.stderr.splitlines()
+    assert r.returncode == 0 and len(lines) == 3 and lines[0].startswith('sampling from'), r.stderr
+    assert re.fullmatch(r'compiled the cached step in \d+\.\d s .*', lines[1]), r.stderr
+    assert re.fullmatch(r'\d+ tokens .* in \d+\.\d+ s \(\d+\.\d tokens/s\)', lines[2]), r.stderr
+    assert r.stdout == eager
+
+
 def test_stream_prints_whole_characters_and_each_row_stops_at_its_eos(capsys):
     """Tokens are UTF-8 bytes here, so a character can span tokens (as with byte-fallback BPE pieces):
     no U+FFFD pieces of it print; nothing after a row's end of document (the batch stops when all rows
@@ -1332,6 +1349,39 @@ def test_ddp_two_processes_equal_one(data, tmp_path, extra):
     assert any(not torch.allclose(v, start[k]) for k, v in a['model'].items())
 
 
+def test_ddp_refusal_reaches_every_rank(data, tmp_path):
+    """Two ranks at a folder that holds a run: both exit 2 with one error line and no traceback,
+    the run untouched. Launched with the variables torchrun sets (torchrun itself reports a
+    failed child with a traceback of its own, and stops the others when one exits), then by it."""
+    run = tmp_path / 'run'
+    run.mkdir()
+    (run / 'ckpt.pt').write_bytes(b'a long run')
+    argv = [os.path.join(HERE, 'train.py'), f'--data_dir={data}', *TINY, '--max_iters=2',
+            f'--out_dir={run}']
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    env = dict(ENV, WORLD_SIZE='2', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, *argv], **pipes,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)]
+    try:
+        err = ''.join(p.communicate(timeout=120)[1] for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+    errors = [line for line in err.splitlines() if line.startswith('error:')]
+    assert [p.returncode for p in procs] == [2, 2] and 'Traceback' not in err, err
+    assert len(errors) == 1 and 'already holds a run' in errors[0], err
+    proc = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                           '--nproc_per_node=2', *argv], env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
+    assert proc.returncode and len(errors) == 1, proc.stderr
+    assert '[rank' not in proc.stderr, proc.stderr            # no rank's traceback
+    assert os.listdir(run) == ['ckpt.pt'] and (run / 'ckpt.pt').read_bytes() == b'a long run'
+
+
 def test_kill9_then_resume_is_bit_identical(data, tmp_path):
     """kill -9 at an arbitrary step (not at a checkpoint), then --init_from=resume: the weights,
     the optimizer state and the log equal those of an uninterrupted run, bit for bit."""
@@ -1772,6 +1822,42 @@ def test_index_and_search(corpus, capsys, tmp_path):
     assert sorted(p.name.split('.')[0] for p in index.iterdir()) == ['chunks', 'embeddings', 'manifest']  # no leftovers
 
 
+GOOD_MANIFEST = dict(ckpt='x.pt', fingerprint='ab12', embed_pos=-1, n_ctx=32, n_chunks=4,
+                     n_documents=2, embeddings='embeddings.ab12.npy', chunks='chunks.ab12.jsonl')
+BROKEN_INDEXES = {   # manifest.json's text, and what the other files are cut to
+    'truncated': (json.dumps(GOOD_MANIFEST)[:30], {}), 'list': ('[1, 2]', {}),
+    **{f'no-{k}': (json.dumps({n: v for n, v in GOOD_MANIFEST.items() if n != k}), {})
+       for k in GOOD_MANIFEST if k not in ('n_ctx', 'n_documents')},   # the fields search reads
+    'n_chunks-str': (json.dumps({**GOOD_MANIFEST, 'n_chunks': '4'}), {}),
+    'deleted-npy': (json.dumps(GOOD_MANIFEST), {'embeddings.ab12.npy': None}),
+    'cut-npy': (json.dumps(GOOD_MANIFEST), {'embeddings.ab12.npy': 100}),
+    'empty-npy': (json.dumps(GOOD_MANIFEST), {'embeddings.ab12.npy': 0}),
+    'deleted-jsonl': (json.dumps(GOOD_MANIFEST), {'chunks.ab12.jsonl': None}),
+}
+
+
+@pytest.mark.parametrize('broken', BROKEN_INDEXES)
+def test_search_broken_index(broken, capsys, tmp_path):
+    """An index whose manifest or data files are damaged: one error line naming the file and the
+    command that rebuilds the index, exit 2, nothing changed."""
+    text, cuts = BROKEN_INDEXES[broken]
+    index = tmp_path / 'index'
+    index.mkdir()
+    buf = io.BytesIO()
+    np.save(buf, np.zeros((4, 8), np.float32))
+    files = {'manifest.json': text.encode(), 'embeddings.ab12.npy': buf.getvalue(),
+             'chunks.ab12.jsonl': b'{"source": "a", "offset": 0, "text": "x"}\n' * 4}
+    for name, data in files.items():
+        if cuts.get(name, len(data)) is not None:
+            (index / name).write_bytes(data[:cuts.get(name, len(data))])
+    culprit = next((n for n in cuts), 'manifest.json')
+    refused(capsys, 'retrieve', ['search', f'--index={index}', '--query=x'], str(index / culprit),
+            keep=[tmp_path])
+    code, _, err = run_main(capsys, 'retrieve', 'search', f'--index={index}', '--query=x')
+    assert f'retrieve.py index --ckpt=CKPT --docs=PATH --index={index} --overwrite' in err
+    assert broken[3:] not in GOOD_MANIFEST or repr(broken[3:]) in err, err   # the field named
+
+
 def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     """60 InfoNCE steps from an untrained LM beat chance 3x; the lm head stays frozen; the result is
     an ordinary model checkpoint, and --init_from=resume continues it."""
@@ -1842,12 +1928,47 @@ def test_bench_throughput_rows_and_mfu(tmp_path):
         assert r['tokens_per_s'] == pytest.approx(2 * 16 / (r['ms_per_step'] / 1e3))
 
 
+def test_bench_throughput_oom_row_and_json_as_rows_finish(tmp_path, monkeypatch, capsys):
+    """A model that cannot be allocated is an OOM row, as in memory mode; --json holds each row as
+    soon as it is measured, so an interrupt after two rows leaves both."""
+    build = bench.build_model
+
+    def build_or_fail(cfg):
+        if cfg.n_ctx == 24:   # what torch's CPU allocator raises past `ulimit -v`
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate")
+        if cfg.n_ctx == 32:
+            raise KeyboardInterrupt
+        return build(cfg)
+    monkeypatch.setattr(bench, 'build_model', build_or_fail)
+    tiny = [a for a in BENCH_TINY if not a.startswith('--n_ctx')]
+    argv = ['throughput', '--archs=mixer', *tiny, '--warmup=1', '--repeats=1',
+            f'--json={tmp_path}/rows.json']
+    code, out, err = run_main(capsys, 'bench', *argv, '--n_ctx=16,24,32')
+    rows = json.loads((tmp_path / 'rows.json').read_text())
+    assert code == 130 and 'Traceback' not in err and 'mixer n_ctx=24: OOM' in out, (code, err)
+    assert [(r['n_ctx'], r['tokens_per_s'] is None, r['mfu'] is None) for r in rows] == [
+        (16, False, False), (24, True, True)]
+    rows = bench.main(argv + ['--n_ctx=24,16'])   # a whole run: an OOM row, then a measured one
+    assert [r['ms_per_step'] is None for r in rows] == [True, False]
+    assert json.loads((tmp_path / 'rows.json').read_text()) == rows
+    assert '| mixer | 24 | 32 | 1 | 2 | float32 | OOM | OOM | OOM |' in capsys.readouterr().out
+
+
 def test_bench_retrieval_times_full_and_trimmed_steps(corpus):
     rows = bench.main(['retrieval', '--archs=mixer,llama', '--d_model=32', '--n_layers=1', '--n_ctx=32',
                        '--batch_size=4', '--dtype=float32', f'--data_dir={corpus.data}', '--warmup=1', '--repeats=1'])
     assert [(r['arch'], r['padding']) for r in rows] == [('mixer', 'full'), ('mixer', 'trimmed'),
                                                          ('llama', 'full'), ('llama', 'trimmed')]
     assert all(r['ms_per_step'] > 0 and 0 < r['real_tokens'] < 1 for r in rows)
+
+
+@pytest.mark.parametrize('where', ['nowhere', 'no pairs'])
+def test_bench_retrieval_refusal_says_it_once(where, data, capsys, tmp_path):
+    """No prepared data, or data without pairs: one error naming it, its advice given once."""
+    data_dir = tmp_path / 'nothing' if where == 'nowhere' else data
+    refused(capsys, 'bench', ['retrieval', f'--data_dir={data_dir}'], str(data_dir))
+    err = run_main(capsys, 'bench', 'retrieval', f'--data_dir={data_dir}')[2].splitlines()[-1]
+    assert err.count('python prepare.py') == 1 and err.count('--data_dir') == 1, err
 
 
 def test_bench_memory(capsys):

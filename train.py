@@ -237,6 +237,27 @@ def setup_runtime(cfg, recorded=None):
     return Runtime(device, dtype, scaler, rank, world, why, distributed)
 
 
+def check_on_every_rank(runtime, check):
+    """Run check(), which raises ValueError to refuse, on every rank, and share the refusals before
+    any other collective: under torchrun all ranks exit 2 together and rank 0 prints the one error
+    line, where the others would go on into DDP and die with a traceback when their peer left."""
+    if not runtime.distributed:
+        return check()
+    try:
+        check()
+        error = ''
+    except ValueError as e:
+        error = str(e)
+    errors = [None] * runtime.world
+    dist.all_gather_object(errors, error)
+    error = next((e for e in errors if e), '')
+    if error:
+        if runtime.master:   # before any rank exits: torchrun stops the others when one does
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        dist.barrier()
+        raise SystemExit(2)   # run_main returns it as the exit status
+
+
 def configure_optimizer(model, lr, weight_decay, device_type, betas=(0.9, 0.999)):
     """AdamW (the paper's default betas); weight decay on matrices/mixings, not on biases and norms."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -318,7 +339,7 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
     'budget' or 'diverged' (a non-finite loss: nothing more is saved, the last checkpoint stays)."""
     out_dir, device, scaler, master = cfg['out_dir'], runtime.device, runtime.scaler, runtime.master
     log_path = os.path.join(out_dir, 'log.jsonl')
-    check_out_dir(out_dir, resume is None, cfg['overwrite'])
+    check_on_every_rank(runtime, lambda: check_out_dir(out_dir, resume is None, cfg['overwrite']))
     if master:
         remove_leftovers(out_dir, resume is None)
     raw = model.to(device)
