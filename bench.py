@@ -99,7 +99,8 @@ def settings(argv, mode):
     s['device'], s['dtype'] = str(s['dev']), str(s['torch_dtype'])[6:]  # what runs (memory cells inherit it)
     if s['mode'] != 'memory_cell':
         print(f"{mode}: {s['device']} {s['dtype']} ({why})", file=sys.stderr)
-    s = SimpleNamespace(**dict(s, mode=mode))
+    # keep: run() passes it each finished row, for --json
+    s = SimpleNamespace(**dict(s, mode=mode, keep=lambda r: r))
     grid(s)  # a bad arch or size fails here, before any mode runs
     return s
 
@@ -124,6 +125,11 @@ def row(s, cfg, **measured):
     """One result: the mode, the model's sizes, the dtype, then what was measured."""
     return dict(mode=s.mode, arch=cfg.arch, d_model=cfg.d_model, n_layers=cfg.n_layers, n_ctx=cfg.n_ctx,
                 dtype=s.dtype, **measured)
+
+
+def out_of_memory(e):
+    """True for a failed allocation: torch raises RuntimeError (OutOfMemoryError on CUDA)."""
+    return isinstance(e, MemoryError) or 'memory' in str(e).lower()
 
 
 def training_step_seconds(s, model, batches, loss_fn):
@@ -151,16 +157,32 @@ def bench_throughput(s):
     print(f"peak: {peak / 1e9:.0f} GFLOP/s (best {s.dtype} square matmul on {s.device})")
     rows, gen = [], torch.Generator().manual_seed(s.seed)
     for cfg in grid(s):
-        torch.manual_seed(s.seed)
-        model = build_model(cfg).to(s.dev).train()
-        step = torch.compile(model) if s.compile else model
-        xy = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx + 1), generator=gen).to(s.dev)  # each step's batch
-        sec = training_step_seconds(s, model, [xy] * (s.warmup + s.repeats), lambda b: step(b[:, :-1], b[:, 1:])[1])
-        tps = s.batch_size * cfg.n_ctx / sec
-        rows.append(row(s, cfg, batch_size=s.batch_size, ms_per_step=1e3 * sec, tokens_per_s=tps,
-                        mfu=flops_per_token(cfg) * tps / peak, peak_flops=peak))
-        print(f"  {cfg.arch} n_ctx={cfg.n_ctx}: {1e3 * sec:.0f} ms/step, {tps:.0f} tokens/s", flush=True)
+        xy = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx + 1), generator=gen)
+        ms = tps = mfu = None                     # an OOM row, as memory mode gives
+        try:
+            ms = 1e3 * throughput_step_seconds(s, cfg, xy.to(s.dev))
+            tps = s.batch_size * cfg.n_ctx / (ms / 1e3)
+            mfu = flops_per_token(cfg) * tps / peak
+        except (RuntimeError, MemoryError) as e:  # the model or its step does not fit
+            if not out_of_memory(e):
+                raise
+            if s.dev.type == 'cuda':
+                torch.cuda.empty_cache()
+        rows.append(s.keep(row(s, cfg, batch_size=s.batch_size, ms_per_step=ms, tokens_per_s=tps,
+                               mfu=mfu, peak_flops=peak)))
+        print(f"  {cfg.arch} n_ctx={cfg.n_ctx}: "
+              + ('OOM' if ms is None else f"{ms:.0f} ms/step, {tps:.0f} tokens/s"), flush=True)
     return rows
+
+
+def throughput_step_seconds(s, cfg, xy):
+    """Median seconds of a training step of a fresh cfg model on xy (B, n_ctx + 1); the model is
+    freed on return, so a failed allocation leaves the next one its memory."""
+    torch.manual_seed(s.seed)
+    model = build_model(cfg).to(s.dev).train()
+    step = torch.compile(model) if s.compile else model
+    return training_step_seconds(s, model, [xy] * (s.warmup + s.repeats),
+                                 lambda b: step(b[:, :-1], b[:, 1:])[1])
 
 
 # ----------------------------------------------------------------------------- memory
@@ -198,8 +220,8 @@ def memory_cell(s):
             h.float().sum().backward()
             sync(s.dev)
         peak = torch.cuda.max_memory_allocated(s.dev) if s.dev.type == 'cuda' else proc_status('VmHWM')
-    except (RuntimeError, MemoryError) as e:  # torch reports failed allocations as RuntimeError
-        if 'memory' not in str(e).lower() and not isinstance(e, MemoryError):
+    except (RuntimeError, MemoryError) as e:
+        if not out_of_memory(e):
             raise
         peak = None
     print(json.dumps({'peak_bytes': peak}))
@@ -225,7 +247,8 @@ def bench_memory(s):
     for cfg in grid(s):
         peak = run_cell(s, cfg.arch, cfg.n_layers, cfg.n_ctx)
         mb = None if peak is None else (peak - base) / 2**20
-        rows.append(row(s, cfg, n_heads=cfg.n_heads, batch_size=s.batch_size, device=s.device, mb=mb))
+        rows.append(s.keep(row(s, cfg, n_heads=cfg.n_heads, batch_size=s.batch_size,
+                               device=s.device, mb=mb)))
         print(f"  {cfg.arch} n_layers={cfg.n_layers} n_ctx={cfg.n_ctx}: "
               + ('OOM' if mb is None else f"{mb:.0f} MB"), flush=True)
     return rows
@@ -291,10 +314,12 @@ def bench_generate(s):
                 positions = range(s.prompt, s.prompt + s.new_tokens - 1)  # those of the timed steps
                 step_bytes = statistics.mean(decode_bytes(model, p, batch, method == 'cache') for p in positions)
                 tps, ceiling = batch / per_token, batch * bandwidth / step_bytes
-                rows.append(row(s, cfg, method=method, prompt=s.prompt, new_tokens=s.new_tokens, batch_size=batch,
-                                compile=s.compile and method == 'cache', warmup_s=warmup, prefill_ms=1e3 * prefill,
-                                tokens_per_s=tps, mb_per_step=step_bytes / 1e6, gb_per_s=bandwidth / 1e9,
-                                ceiling_tokens_per_s=ceiling, fraction=tps / ceiling))
+                rows.append(s.keep(row(
+                    s, cfg, method=method, prompt=s.prompt, new_tokens=s.new_tokens,
+                    batch_size=batch, compile=s.compile and method == 'cache', warmup_s=warmup,
+                    prefill_ms=1e3 * prefill, tokens_per_s=tps, mb_per_step=step_bytes / 1e6,
+                    gb_per_s=bandwidth / 1e9, ceiling_tokens_per_s=ceiling,
+                    fraction=tps / ceiling)))
                 print(f"  {cfg.arch} {method} batch {batch} (warm-up {warmup:.1f} s): {tps:.1f} tokens/s, "
                       f"ceiling {ceiling:.0f} ({step_bytes / 1e6:.1f} MB/step at {bandwidth / 1e9:.1f} GB/s): "
                       f"{tps / ceiling:.0%}", flush=True)
@@ -311,8 +336,9 @@ def bench_retrieval(s):
     try:
         tok = Tokenizer.from_meta(load_meta(data_dir), data_dir)
         pairs = PairBatches(dict(data_dir=data_dir, batch_size=s.batch_size, negatives='inbatch', seed=s.seed), tok, 0)
-    except (ValueError, FileNotFoundError) as e:
-        raise ValueError(f"retrieval needs prepared pairs ({e}): run python prepare.py or pass --data_dir") from None
+    except FileNotFoundError as e:  # a file of the data dir; a ValueError already names its own fix
+        raise ValueError(f"{e}: retrieval needs a data dir prepared with pairs (python prepare.py, "
+                         f"or prepare.py text --pairs=ict), or pass --data_dir") from None
     rows = []
     for cfg in grid(s):
         pairs.n_ctx = cfg.n_ctx
@@ -328,8 +354,9 @@ def bench_retrieval(s):
                 return info_nce(e[:len(labels)], e[len(labels):], labels)
 
             sec = training_step_seconds(s, enc.model, batches, loss_fn)
-            rows.append(row(s, cfg, batch_size=s.batch_size, padding='trimmed' if enc.trim else 'full',
-                            real_tokens=real, ms_per_step=1e3 * sec))
+            rows.append(s.keep(row(s, cfg, batch_size=s.batch_size, real_tokens=real,
+                                   ms_per_step=1e3 * sec,
+                                   padding='trimmed' if enc.trim else 'full')))
             print(f"  {cfg.arch} n_ctx={cfg.n_ctx} {rows[-1]['padding']}: {1e3 * sec:.0f} ms/step", flush=True)
     return rows
 
@@ -497,7 +524,7 @@ def bench_represent(s):
         for r in new:
             r.update(d_model=model.cfg.d_model, n_layers=model.cfg.n_layers, n_ctx=model.cfg.n_ctx)
             print(f"  {r['arch']} layer {r['layer']} ({r['positions']}): hamming {r['hamming']:.3f}", flush=True)
-        rows += new
+            rows.append(s.keep(r))
     return rows
 
 
@@ -623,17 +650,21 @@ def run(argv):
         pyplot()
     modes = [m for m in MEASURE if m != 'retrieval'] if args['mode'] == 'all' else [args['mode']]
     rows = []
+
+    def keep(r):  # --json holds every row as soon as it is measured: an interrupted run keeps them
+        rows.append(r)
+        if args['json']:
+            write_atomic(args['json'], json.dumps(rows, indent=1))
+        return r
     for mode, s in [(mode, settings(argv, mode)) for mode in modes]:  # every mode's settings checked first
+        s.keep = keep
         print(f"## {mode}", flush=True)
         new = MEASURE[mode](s)
         table = memory_tables(new) if mode == 'memory' else markdown(new, COLUMNS[mode].split())
         print(f"\n{table}\n", flush=True)
-        rows += new
     summary = ratios(rows)
     if summary:
         print(summary)
-    if args['json']:
-        write_atomic(args['json'], json.dumps(rows, indent=1))
     if args['plot']:
         plot(rows, args['plot'])
     return rows
@@ -641,7 +672,8 @@ def run(argv):
 
 def main(argv=None):
     """The measured rows (a list, for tests and notebooks); bad input: one `error: ...` line, status 2."""
-    return run_main(lambda: run(argv), "interrupted: --json and --plot are written only at the end, so neither was")
+    return run_main(lambda: run(argv), "interrupted: --json holds the rows measured so far; "
+                                       "--plot is drawn only at the end, so it was not")
 
 
 if __name__ == '__main__':

@@ -50,7 +50,7 @@ DEFAULT_NS = tuple(2 ** k for k in range(5, 14))   # 32, 64, ..., 8192: the colu
 
 EMBED = dict(
     device='auto',          # auto (cuda if present), cpu or cuda[:i]
-    dtype='auto',           # autocast dtype (auto: bf16 where the hardware has it natively, else float32)
+    dtype='auto',           # autocast; auto: bf16 where native, else fp32 (embed: the trained one)
     batch_size=32,          # texts per forward pass (train: queries per micro-batch, 2 x 32 or 32 x 32 sequences)
     embed_pos=0,            # window position of the embedding; 0 = the checkpoint's (-1 unless it recorded another)
 )
@@ -227,7 +227,7 @@ class Embedder:
             h.update(weights[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         self.path, self.fingerprint = os.path.abspath(ckpt_path), h.hexdigest()[:16]
         self.device = train.resolve_device(str(device))
-        self.dtype, _ = train.choose_dtype(self.device, dtype)
+        self.dtype, _ = train.reading_dtype(self.device, dtype, ckpt.get('dtype'))  # never emulated
         self.batch_size = batch_size
         self.encoder.to(self.device).eval()
         self.n_ctx, self.d_model = self.encoder.model.cfg.n_ctx, self.encoder.model.cfg.d_model
@@ -329,10 +329,12 @@ def cmd_train(cfg):
         src, init_from = train.load_checkpoint(cfg['init_from']), os.path.abspath(cfg['init_from'])
     encoder = text_encoder(src, cfg['init_from'], cfg['embed_pos'])
     embed_pos, n_ctx = encoder.embed_pos, encoder.model.cfg.n_ctx
-    check_out_dir(cfg['out_dir'], resume is None, cfg['overwrite'])
-    get_batch = PairBatches(cfg, Tokenizer.from_meta(src['data']['meta'], src['data']['data_dir']), n_ctx)
-    rt = train.setup_runtime(cfg)
-    try:
+    rt = train.setup_runtime(cfg, resume and resume.get('dtype'))  # a resumed run keeps its dtype
+    try:   # every rank learns of a refusal (see check_on_every_rank)
+        train.check_on_every_rank(rt, lambda: check_out_dir(cfg['out_dir'], resume is None,
+                                                            cfg['overwrite']))
+        tok = Tokenizer.from_meta(src['data']['meta'], src['data']['data_dir'])
+        get_batch = PairBatches(cfg, tok, n_ctx)
         # freeze what embeddings do not use (lm head, a decoder): AdamW and DDP skip it, DDP waits for no gradient
         encoder(torch.zeros(1, n_ctx, dtype=torch.long), torch.ones(1, n_ctx, dtype=torch.bool)).sum().backward()
         for p in encoder.parameters():
@@ -476,10 +478,11 @@ def cmd_indirect(cfg):
     states at embed_pos, as the author's code feeds them (normalize=True: unit rows x sqrt(d))."""
     pairs = {s: read_pairs(os.path.join(cfg['data_dir'], f'pairs_{s}.jsonl')) for s in train.SPLITS}
     cs = capped(int_list(cfg['c'], 'c', low=3), 'c', min(len(pairs[s][0]) for s in pairs))
-    for c in cs:  # every output location, before any embedding or training
-        check_out_dir(os.path.join(cfg['out_dir'], f'c{c}'), True, cfg['overwrite'], resumable=False)
     rt = train.setup_runtime(cfg)
-    try:
+    try:   # every output location, before any embedding or training, on every rank
+        outs = [os.path.join(cfg['out_dir'], f'c{c}') for c in cs]
+        train.check_on_every_rank(rt, lambda: [check_out_dir(out, True, cfg['overwrite'],
+                                                             resumable=False) for out in outs])
         embedder = Embedder(cfg['ckpt'], rt.device, cfg['dtype'], embed_pos=cfg['embed_pos'],
                             normalize=cfg['normalize'])
         t0 = time.perf_counter()
@@ -601,6 +604,31 @@ def cmd_index(cfg):
     return 0
 
 
+# each field search reads from an index's manifest.json, and the type cmd_index writes it as
+MANIFEST = dict(embeddings=str, chunks=str, n_chunks=int, ckpt=str, embed_pos=int, fingerprint=str)
+
+
+def rebuild_index(index):
+    return (f"rebuild the index with python retrieve.py index --ckpt=CKPT --docs=PATH "
+            f"--index={index} --overwrite")
+
+
+def read_manifest(path):
+    """An index's manifest.json as a dict; unreadable JSON or a missing/mistyped field is an error
+    naming the file and how to rebuild the index."""
+    fix = rebuild_index(os.path.dirname(path))
+    try:
+        manifest = json.loads(read_text_file(path, 'index manifest'))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"index manifest {path} is not valid JSON ({e}): {fix}") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"index manifest {path} is not a JSON object: {fix}")
+    for key, kind in MANIFEST.items():
+        if not isinstance(manifest.get(key), kind) or isinstance(manifest[key], bool):
+            raise ValueError(f"index manifest {path} has no {kind.__name__} field {key!r}: {fix}")
+    return manifest
+
+
 def cmd_search(cfg):
     if not cfg['query'].strip():
         raise ValueError("empty query: pass the text to look for, e.g. --query=\"open a file\"")
@@ -608,11 +636,18 @@ def cmd_search(cfg):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no index at {index}: build one with python retrieve.py index "
                                 f"--ckpt=CKPT --docs=PATH --index={index}")
-    manifest = json.loads(read_text_file(path, 'index manifest'))
-    emb = torch.from_numpy(np.load(os.path.join(index, manifest['embeddings'])))    # (N, d) float32
-    chunks = [row for _, row in read_jsonl(os.path.join(index, manifest['chunks']))]
+    manifest, rebuild = read_manifest(path), rebuild_index(index)
+    emb_path, chunks_path = (os.path.join(index, manifest[k]) for k in ('embeddings', 'chunks'))
+    try:   # a data file deleted or cut short
+        emb = torch.from_numpy(np.load(emb_path))                     # (N, d) float32
+    except (OSError, ValueError, EOFError) as e:
+        raise ValueError(f"index data {emb_path} cannot be read ({e}): {rebuild}") from None
+    try:
+        chunks = [row for _, row in read_jsonl(chunks_path)]
+    except (OSError, ValueError) as e:
+        raise ValueError(f"index data {chunks_path} cannot be read ({e}): {rebuild}") from None
     if not len(emb) == len(chunks) == manifest['n_chunks']:
-        raise ValueError(f"index {index} is incomplete (embeddings and chunks disagree): rebuild it")
+        raise ValueError(f"index {index} is incomplete (embeddings and chunks disagree): {rebuild}")
     embedder = Embedder(cfg['ckpt'] or manifest['ckpt'], cfg['device'], cfg['dtype'], embed_pos=manifest['embed_pos'])
     if embedder.fingerprint != manifest['fingerprint']:
         raise ValueError(f"index {index} was built with other weights ({manifest['ckpt']}, fingerprint "

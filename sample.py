@@ -10,17 +10,18 @@ Sample text from a model trained with train.py; tokens stream to stdout as they 
 (§4.2): each new token is written at the next position of the n_ctx window and the whole window is
 run again, O(n^3 d) for n tokens. `cache` (default) keeps what each layer's mixing has already
 seen, since position t depends only on positions <= t, so a new token costs one row of every
-mixing, O(n^2 d) per window, for the same numbers (tested). A full window keeps its last n_ctx/2
-tokens and goes on. Transformers decode with their KV cache (ELiTA: its running sums) for `cache`
-and recompute the window for `window`.
+mixing, O(n^2 d) per window. Both methods run in one dtype (--dtype; auto: fp32 on a CPU), so they
+print the same tokens (tested greedy, at the defaults). A full window keeps its last n_ctx/2 tokens
+and goes on. Transformers decode with their KV cache (ELiTA: its running sums) for `cache` and
+recompute the window for `window`.
 """
-import os, sys, time
+import os, sys, time, warnings
 from types import SimpleNamespace
 
 import torch
 
 import prepare
-from train import CHOICES, choose_dtype, load_checkpoint, model_from_checkpoint, resolve_device
+from train import CHOICES, load_checkpoint, model_from_checkpoint, reading_dtype, resolve_device
 
 DEFAULTS = dict(
     out_dir='out',          # train.py's out_dir: samples from best.pt, else ckpt.pt
@@ -35,7 +36,7 @@ DEFAULTS = dict(
     method='cache',         # cache (exact, O(n^2 d) per window) | window (the paper's, O(n^3 d))
     compile=False,          # torch.compile the cached step: faster after a one-time compile (README, Sampling)
     device='auto',          # auto = cuda if available, else cpu
-    dtype='auto',           # the weights' dtype; auto: train.py's choice, but fp32 for cached decoding on a CPU
+    dtype='auto',           # the weights' dtype; auto: fp32 on a CPU, else the trained one
 )
 
 
@@ -55,9 +56,10 @@ def parse_args(argv):
     return args
 
 
-def load(path, device, dtype):
-    """(model, tokenizer) of a train.py language-model checkpoint, the weights cast to dtype once and
-    laid out for batch-1 GEMVs: a decoding step is bound by reading the weights (bf16: half the bytes)."""
+def load(path, device, requested='auto'):
+    """(model, tokenizer, why) of a train.py language-model checkpoint, the weights cast once to the
+    dtype of decode_dtype and laid out for batch-1 GEMVs: a decoding step is bound by reading the
+    weights (bf16: half the bytes)."""
     ckpt = load_checkpoint(path)
     if ckpt['kind'] != 'lm':
         raise ValueError(f"{path} is a {ckpt['kind']!r} checkpoint: sample from a train.py checkpoint")
@@ -71,10 +73,28 @@ def load(path, device, dtype):
     except FileNotFoundError as e:
         raise ValueError(f"{e}: {path} reads its tokenizer from the data_dir it was trained on; "
                                 f"prepare that data again there") from None
-    return decode_layout(model_from_checkpoint(ckpt).to(device, dtype)), tok
+    dtype, why = decode_dtype(device, requested, ckpt.get('dtype'))
+    return decode_layout(model_from_checkpoint(ckpt).to(device, dtype)), tok, why
+
+
+def decode_dtype(device, requested='auto', recorded=None):
+    """(dtype, why) of the weights, one for both methods so that they print the same text. auto:
+    fp32 on a CPU (its cached GEMVs ran slower in bf16 even with native bf16, README), else the
+    checkpoint's dtype where the device has it natively (train.reading_dtype)."""
+    if requested == 'auto' and device.type == 'cpu':
+        return torch.float32, 'a CPU decodes in fp32 with either method (bf16 GEMVs are slower)'
+    return reading_dtype(device, requested, recorded)
 
 
 # ----------------------------------------------------------------------------- fast decoding on a CPU
+
+# max-autotune writes a table of timings per tuned op to stderr as it compiles: off, unless
+# asked for with inductor's own TORCHINDUCTOR_AUTOTUNE_NUM_CHOICES_DISPLAYED or
+# TORCHINDUCTOR_MAX_AUTOTUNE_REPORT_CHOICES_STATS
+QUIET_AUTOTUNE = {key: value for key, value, env in [
+    ('autotune_num_choices_displayed', 0, 'TORCHINDUCTOR_AUTOTUNE_NUM_CHOICES_DISPLAYED'),
+    ('max_autotune_report_choices_stats', False,
+     'TORCHINDUCTOR_MAX_AUTOTUNE_REPORT_CHOICES_STATS')] if env not in os.environ}
 
 def decode_layout(model):
     """Store each CPU Linear weight with its longer side contiguous (same values; returns model).
@@ -94,7 +114,10 @@ def compiled_step(model):
     README); frozen weights must not change afterwards, so the step refuses if they did."""
     if next(model.parameters()).device.type != 'cpu':
         return torch.compile(model.step, dynamic=True)
-    compiled = torch.compile(model.step, dynamic=True, options=dict(max_autotune=True))
+    compiled = torch.compile(model.step, dynamic=True,
+                             options=dict(max_autotune=True, **QUIET_AUTOTUNE))
+    # nor the deprecation warning that max-autotune's CPU benchmarks raise inside torch
+    warnings.filterwarnings('ignore', 'TypedStorage is deprecated', UserWarning, r'torch\._inductor')
     config, versions = torch._inductor.config, param_versions(model)
 
     def step(tok, pos, cache):  # dynamo reads `freezing` as it traces, inside the call
@@ -141,16 +164,20 @@ def write_samples(model, tok, ids, args, generator, step=None):
     return sum(len(sample) - len(ids) for sample in samples)
 
 
+def warm_up(model, step, ids, num_samples, device):
+    """Compile the cached step before the samples: a few greedy steps on a batch shaped like theirs,
+    at two positions or more (dynamo compiles position 1 apart). Their text does not change."""
+    idx = torch.tensor([list(ids)] * num_samples, dtype=torch.long, device=device)  # (B, T0)
+    for _ in model.stream(idx, 3, temperature=0, method='cache', step=step):
+        pass
+
+
 def sample(argv):
     args = parse_args(argv)
     device = resolve_device(args.device)
-    dtype, why = choose_dtype(device, args.dtype)
-    if args.dtype == 'auto' and device.type == 'cpu' and args.method == 'cache' and dtype != torch.float32:
-        # a cached step is GEMVs, and CPUs with native bf16 still ran bf16 ones slower than fp32 (README)
-        dtype, why = torch.float32, 'cached decoding on a CPU: fp32 GEMVs are faster than bf16 ones'
     best = os.path.join(args.out_dir, 'best.pt')  # the lowest val loss
     path = args.ckpt or (best if os.path.isfile(best) else os.path.join(args.out_dir, 'ckpt.pt'))
-    model, tok = load(path, device, dtype)
+    model, tok, why = load(path, device, args.dtype)
     prompt = args.prompt
     if prompt.startswith('FILE:'):
         prompt = prepare.read_text_file(prompt[len('FILE:'):], '--prompt=FILE: file')
@@ -159,11 +186,18 @@ def sample(argv):
         print(f'warning: the prompt has {len(ids)} tokens; keeping its last {keep} (the window holds '
               f'n_ctx={keep + 1})', file=sys.stderr)
         ids = ids[-keep:]
-    print(f'sampling from {path} ({model.cfg.arch}, method {args.method}, {device} {str(dtype)[6:]}: {why})',
+    dtype = str(next(model.parameters()).dtype)[6:]
+    print(f'sampling from {path} ({model.cfg.arch}, method {args.method}, {device} {dtype}: {why})',
           file=sys.stderr)
+    step = None
+    if args.compile and args.method == 'cache' and args.max_new_tokens:   # timed on its own
+        t0 = time.perf_counter()
+        step = compiled_step(model)
+        warm_up(model, step, ids, args.num_samples, device)
+        print(f'compiled the cached step in {time.perf_counter() - t0:.1f} s (once per process; '
+              f'not in the tokens/s below)', file=sys.stderr)
     t0 = time.perf_counter()
     try:
-        step = compiled_step(model) if args.compile else None
         n_new = write_samples(model, tok, ids, args, torch.Generator(device=device).manual_seed(args.seed),
                               step)
     except BrokenPipeError:  # the reader went away (| head): stop quietly

@@ -737,10 +737,13 @@ def test_cli_seeds_batches_and_prompts(trained, data, tmp_path, capsys):
     assert long.endswith(kept) and out.startswith(kept) and len(out) > len(kept) + 1
 
 
+@pytest.mark.parametrize('native', [False, True], ids=['avx2', 'native-bf16'])
 @pytest.mark.parametrize('arch', ['mixer', 'llama'])
-def test_cli_greedy_window_equals_cache(arch, trained, tmp_path, capsys):
-    """Through the CLI and past the 32-token window: the trained mixer, and a llama checkpoint
-    (fresh weights) with its KV cache and without. The bfloat16 autocast path runs too."""
+def test_cli_greedy_window_equals_cache(arch, native, trained, tmp_path, monkeypatch, capsys):
+    """Through the CLI at the default flags and past the 32-token window, on either kind of CPU
+    (mocked): the trained mixer, and a llama checkpoint (fresh weights) with its KV cache and
+    without. The bfloat16 weights path runs too."""
+    cpu_kind(monkeypatch, native)
     ckpt = trained / 'ckpt.pt'
     if arch == 'llama':
         saved = train.load_checkpoint(ckpt)
@@ -761,6 +764,23 @@ def test_sample_run_from_the_shell_exits_2_without_traceback():
                        cwd=HERE)
     assert r.returncode == 2 and r.stderr.startswith('error: ') and '/nonexistent/ckpt.pt' in r.stderr
     assert 'Traceback' not in r.stderr
+
+
+def test_sample_compile_keeps_the_terminal_clean(data, tmp_path, capsys):
+    """sample.py --compile, first use (an empty inductor cache, so max-autotune times its kernels):
+    no autotune tables on stderr, the compile time on a line of its own, then the usual tokens/s
+    line, and the eager run's text. Costs ~30-60 s on 2 busy cores (inductor builds C++ kernels)."""
+    ckpt = make_ckpt(tmp_path / 'tiny.pt', data, d_model=16, n_layers=1)
+    argv = [f'--ckpt={ckpt}', '--prompt=def f', '--max_new_tokens=6', '--temperature=0']
+    eager = run_main(capsys, 'sample', *argv)[1]
+    fresh = dict(ENV, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / 'inductor'))
+    r = subprocess.run([sys.executable, 'sample.py', *argv, '--compile'], capture_output=True,
+                       text=True, cwd=HERE, env=fresh, timeout=600)
+    lines = r.stderr.splitlines()
+    assert r.returncode == 0 and len(lines) == 3 and lines[0].startswith('sampling from'), r.stderr
+    assert re.fullmatch(r'compiled the cached step in \d+\.\d s .*', lines[1]), r.stderr
+    assert re.fullmatch(r'\d+ tokens .* in \d+\.\d+ s \(\d+\.\d tokens/s\)', lines[2]), r.stderr
+    assert r.stdout == eager
 
 
 def test_stream_prints_whole_characters_and_each_row_stops_at_its_eos(capsys):
@@ -1185,15 +1205,20 @@ def test_document_batches(data, padding):
         assert torch.equal(x[row, real[1:]], y[row, real[:-1]])  # targets are the next tokens
 
 
+def cpu_kind(monkeypatch, native):
+    """Make this CPU answer the bf16 capability query as either kind does (AVX512-BF16/AMX:
+    native; AVX2-only: emulated), so each kind's dtype choices are tested on any machine."""
+    monkeypatch.delenv(train.NO_BF16_ENV, raising=False)
+    monkeypatch.setattr(torch.ops.mkldnn, '_is_mkldnn_bf16_supported', lambda: native)
+
+
 def test_auto_dtype_falls_back_to_float32_without_native_bf16(monkeypatch, capsys):
     """Both fallback paths, forced so that every machine tests them: NANOMIXER_NO_BF16, and a CPU
     without native bf16 (AVX2-only, mocked). An explicit bfloat16 wins, with a warning."""
     monkeypatch.setenv(train.NO_BF16_ENV, '1')
     dtype, why = train.choose_dtype(torch.device('cpu'), 'auto')
     assert dtype == torch.float32 and train.NO_BF16_ENV in why
-    monkeypatch.delenv(train.NO_BF16_ENV)
-    monkeypatch.setattr(train, '_cpu_probe', [])
-    monkeypatch.setattr(torch.ops.mkldnn, '_is_mkldnn_bf16_supported', lambda: False)
+    cpu_kind(monkeypatch, native=False)
     assert train.choose_dtype(torch.device('cpu'), 'auto') == (torch.float32, train.cpu_bf16()[1])
     assert 'bf16' in train.cpu_bf16()[1]
     dtype, _ = train.choose_dtype(torch.device('cpu'), 'bfloat16')
@@ -1203,31 +1228,75 @@ def test_auto_dtype_falls_back_to_float32_without_native_bf16(monkeypatch, capsy
 
 
 def test_auto_dtype_picks_bf16_where_it_is_native(monkeypatch):
-    """On a CPU only where bf16 matmuls beat fp32 ones; on CUDA where supported, else fp16."""
-    monkeypatch.delenv(train.NO_BF16_ENV, raising=False)
-    monkeypatch.setattr(torch.ops.mkldnn, '_is_mkldnn_bf16_supported', lambda: True)
-    for fp32_over_bf16, expected in ((4.0, torch.bfloat16), (1.0, torch.float32)):  # fast native / slow "native"
-        monkeypatch.setattr(train, '_cpu_probe', [])
-        monkeypatch.setattr(train, 'matmul_seconds', lambda dt, *a: 1.0 if dt == torch.bfloat16 else fp32_over_bf16)
-        assert train.choose_dtype(torch.device('cpu'), 'auto')[0] == expected
+    """On a CPU the capability query decides, with no timing that a busy machine could flip; on
+    CUDA bf16 where supported, else fp16."""
+    cpu_kind(monkeypatch, native=True)
+    monkeypatch.setattr(torch, 'randn', None)  # no timing probe runs: one would need random inputs
+    assert train.choose_dtype(torch.device('cpu'), 'auto')[0] == torch.bfloat16
+    monkeypatch.undo()
     for has_bf16, expected in ((True, torch.bfloat16), (False, torch.float16)):     # CUDA, mocked
         monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: has_bf16)
         assert train.choose_dtype(torch.device('cuda'), 'auto')[0] == expected
         assert train.choose_dtype(torch.device('cuda'), 'bfloat16')[0] == expected    # asked, but none: fp16
 
 
-def test_sample_decodes_fp32_on_a_cpu_unless_window_or_asked(trained, monkeypatch, capsys):
-    """On a (mocked) native-bf16 CPU, auto gives the cached decoder fp32 weights; the window method, a
-    full forward per token, gets bf16 as training would."""
-    monkeypatch.delenv(train.NO_BF16_ENV, raising=False)
-    monkeypatch.setattr(torch.ops.mkldnn, '_is_mkldnn_bf16_supported', lambda: True)
-    monkeypatch.setattr(train, '_cpu_probe', [])
-    monkeypatch.setattr(train, 'matmul_seconds', lambda dt, *a: 1.0 if dt == torch.bfloat16 else 4.0)
+def test_resume_keeps_the_recorded_dtype(data, tmp_path, monkeypatch, capsys):
+    """The checkpoint records the dtype auto chose; a resume keeps it even where auto would now
+    choose another (the capability flips between the run and its resume), and ends bit-identical
+    to a resume that saw no flip. Another dtype is used only when asked for, and said so."""
+    for out, flip in (('a', False), ('b', True)):
+        cpu_kind(monkeypatch, native=False)
+        assert train_run(data, tmp_path / out, '--max_iters=4', '--eval_interval=4') == 0
+        assert weights(tmp_path / out)['dtype'] == 'float32'
+        cpu_kind(monkeypatch, native=flip)
+        capsys.readouterr()
+        resume = ['--max_iters=8', '--eval_interval=4', '--init_from=resume']
+        assert train_run(data, tmp_path / out, *resume) == 0
+        assert 'cpu float32 (recorded by the run it resumes)' in capsys.readouterr().out
+    a, b = weights(tmp_path / 'a'), weights(tmp_path / 'b')
+    assert a['step'] == b['step'] == 8 and b['dtype'] == 'float32'
+    assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
+    cpu_kind(monkeypatch, native=False)  # an explicit dtype wins on resume, logged with the record
+    assert train_run(data, tmp_path / 'b', '--max_iters=9', '--init_from=resume',
+                     '--dtype=bfloat16') == 0
+    out = capsys.readouterr()
+    assert 'cpu bfloat16 (as asked; the run it resumes was trained in float32)' in out.out
+    assert 'emulated' in out.err and weights(tmp_path / 'b')['dtype'] == 'bfloat16'
+
+
+def test_reading_a_checkpoint_never_picks_an_emulated_dtype(trained, tmp_path, monkeypatch, capsys):
+    """sample.py and retrieve.py read a checkpoint in the dtype it was trained in where the device
+    has it natively, else in float32: a bf16 checkpoint (from a GPU) on an AVX2 CPU runs in fp32."""
+    saved = train.load_checkpoint(trained / 'ckpt.pt')
+    for recorded in ('bfloat16', 'float32', 'float16'):
+        train.save_checkpoint({**saved, 'dtype': recorded}, tmp_path / f'{recorded}.pt')
+    cpu = torch.device('cpu')
+    f32, b16 = torch.float32, torch.bfloat16
+    for native, recorded, want in ((False, 'bfloat16', f32), (True, 'bfloat16', b16),
+                                   (True, 'float32', f32), (True, 'float16', f32)):
+        cpu_kind(monkeypatch, native)
+        ckpt = tmp_path / f'{recorded}.pt'
+        assert train.reading_dtype(cpu, 'auto', recorded)[0] == want
+        assert retrieve.Embedder(ckpt, 'cpu').dtype == want
+        code, _, err = run_main(capsys, 'sample', f'--ckpt={ckpt}', '--max_new_tokens=2',
+                                '--device=cpu')
+        assert code == 0 and 'cpu float32' in err, err              # a CPU decodes in fp32 (README)
+    assert retrieve.Embedder(tmp_path / 'bfloat16.pt', 'cpu', 'float32').dtype == torch.float32
+    for has_bf16, want in ((False, torch.float32), (True, torch.bfloat16)):   # CUDA, mocked
+        monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: has_bf16)
+        assert train.reading_dtype(torch.device('cuda'), 'auto', 'bfloat16')[0] == want
+        assert train.reading_dtype(torch.device('cuda'), 'auto', 'float16')[0] == torch.float16
+
+
+def test_sample_decodes_fp32_on_a_cpu_with_either_method(trained, monkeypatch, capsys):
+    """On a (mocked) native-bf16 CPU, auto gives both decoders fp32 weights, so --method=window and
+    --method=cache print the same text; --dtype=bfloat16 is honoured by both."""
+    cpu_kind(monkeypatch, native=True)
     argv = [f'--ckpt={trained}/ckpt.pt', '--max_new_tokens=2', '--device=cpu']
-    for extra, want in (([], 'cpu float32'), (['--method=window'], 'cpu bfloat16'),
-                        (['--dtype=bfloat16'], 'cpu bfloat16')):
-        code, _, err = run_main(capsys, 'sample', *argv, *extra)
-        assert code == 0 and want in err, err
+    for dtype, want in (([], 'cpu float32'), (['--dtype=bfloat16'], 'cpu bfloat16')):
+        for method in ('cache', 'window'):
+            code, _, err = run_main(capsys, 'sample', *argv, *dtype, f'--method={method}')
+            assert code == 0 and want in err, err
 
 
 @pytest.mark.parametrize('accum,batch,world', [(1, 16, 1), (1, 16, 2), (1, 16, 8), (4, 16, 2), (4, 8, 8), (3, 4, 2),
@@ -1258,19 +1327,66 @@ def torchrun(script, argv, nproc=2):
     return proc
 
 
-@pytest.mark.parametrize('accum', [['--grad_accum=2'], []])  # []: the default grad_accum=1, so row shards
-def test_ddp_two_processes_equal_one(data, tmp_path, accum):
-    """torchrun with 2 processes reaches the one-process weights (float32 tolerance) after 4 clipped steps."""
-    common = [*TINY, f'--data_dir={data}', '--dtype=float32', *accum, '--max_iters=4', '--eval_interval=4',
-              '--grad_clip=0.5']
+# DDP == one process up to summation order. Adam moves a weight by lr * m/sqrt(v), a ratio of at
+# most ~1 that a relative change d of the gradients moves by <= ~2d: k steps differ by <= 2*k*lr*d.
+# Two processes sum a gradient's n = batch_size * n_ctx = 128 terms in another order: <= 2n*2^-24 =
+# 2^-16 of the terms' magnitudes, d = 2^-8 where they cancel in a small component (3.6e-3 measured).
+DDP_ATOL = 2 * 4 * 1e-2 * 2 ** -8  # 2*k*lr*d, k = 4 steps at TINY's lr: 3.1e-4; a bug moves ~lr
+
+
+@pytest.mark.parametrize('extra', [['--grad_accum=2'], [], ['--batch_mode=documents']],
+                         ids=['accum2', 'shards', 'documents'])  # []: grad_accum=1, so row shards
+def test_ddp_two_processes_equal_one(data, tmp_path, extra):
+    """torchrun with 2 processes reaches the one-process weights (DDP_ATOL) after 4 clipped steps:
+    whole micro-batches, row shards of them, and row shards of padded documents that hold different
+    numbers of real targets (each weighted by its share of the micro-batch's)."""
+    common = [*TINY, f'--data_dir={data}', '--dtype=float32', *extra, '--max_iters=4',
+              '--eval_interval=4', '--grad_clip=0.5']
+    if '--batch_mode=documents' in extra:  # the row shards of step 0 do hold different counts
+        get = train.Batches(train.parse_args(common, train.DEFAULTS), train.load_meta(data), data)
+        counts = [int((get('train', 0, 0, s, 2)[1] != -1).sum()) for s in range(2)]
+        assert counts[0] != counts[1], counts
     assert '2 process(es)' in torchrun('train.py', [*common, f'--out_dir={tmp_path}/ddp']).stdout
     assert train.main([*common, f'--out_dir={tmp_path}/one']) == 0
     a, b = weights(tmp_path / 'ddp'), weights(tmp_path / 'one')
     assert a['step'] == b['step'] == 4 and a['tokens_seen'] == b['tokens_seen']
     for k, v in a['model'].items():
-        torch.testing.assert_close(v, b['model'][k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v, b['model'][k], rtol=0, atol=DDP_ATOL)
     start = train.build_model(train.ModelConfig(**a['model_config'])).state_dict()  # seed 1337 init: they moved
     assert any(not torch.allclose(v, start[k]) for k, v in a['model'].items())
+
+
+def test_ddp_refusal_reaches_every_rank(data, tmp_path):
+    """Two ranks at a folder that holds a run: both exit 2 with one error line and no traceback,
+    the run untouched. Launched with the variables torchrun sets (torchrun itself reports a
+    failed child with a traceback of its own, and stops the others when one exits), then by it."""
+    run = tmp_path / 'run'
+    run.mkdir()
+    (run / 'ckpt.pt').write_bytes(b'a long run')
+    argv = [os.path.join(HERE, 'train.py'), f'--data_dir={data}', *TINY, '--max_iters=2',
+            f'--out_dir={run}']
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    env = dict(ENV, WORLD_SIZE='2', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, *argv], **pipes,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)]
+    try:
+        err = ''.join(p.communicate(timeout=120)[1] for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+    errors = [line for line in err.splitlines() if line.startswith('error:')]
+    assert [p.returncode for p in procs] == [2, 2] and 'Traceback' not in err, err
+    assert len(errors) == 1 and 'already holds a run' in errors[0], err
+    proc = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                           '--nproc_per_node=2', *argv], env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
+    assert proc.returncode and len(errors) == 1, proc.stderr
+    assert '[rank' not in proc.stderr, proc.stderr            # no rank's traceback
+    assert os.listdir(run) == ['ckpt.pt'] and (run / 'ckpt.pt').read_bytes() == b'a long run'
 
 
 def test_kill9_then_resume_is_bit_identical(data, tmp_path):
@@ -1714,6 +1830,42 @@ def test_index_and_search(corpus, capsys, tmp_path):
     assert sorted(p.name.split('.')[0] for p in index.iterdir()) == ['chunks', 'embeddings', 'manifest']  # no leftovers
 
 
+GOOD_MANIFEST = dict(ckpt='x.pt', fingerprint='ab12', embed_pos=-1, n_ctx=32, n_chunks=4,
+                     n_documents=2, embeddings='embeddings.ab12.npy', chunks='chunks.ab12.jsonl')
+BROKEN_INDEXES = {   # manifest.json's text, and what the other files are cut to
+    'truncated': (json.dumps(GOOD_MANIFEST)[:30], {}), 'list': ('[1, 2]', {}),
+    **{f'no-{k}': (json.dumps({n: v for n, v in GOOD_MANIFEST.items() if n != k}), {})
+       for k in GOOD_MANIFEST if k not in ('n_ctx', 'n_documents')},   # the fields search reads
+    'n_chunks-str': (json.dumps({**GOOD_MANIFEST, 'n_chunks': '4'}), {}),
+    'deleted-npy': (json.dumps(GOOD_MANIFEST), {'embeddings.ab12.npy': None}),
+    'cut-npy': (json.dumps(GOOD_MANIFEST), {'embeddings.ab12.npy': 100}),
+    'empty-npy': (json.dumps(GOOD_MANIFEST), {'embeddings.ab12.npy': 0}),
+    'deleted-jsonl': (json.dumps(GOOD_MANIFEST), {'chunks.ab12.jsonl': None}),
+}
+
+
+@pytest.mark.parametrize('broken', BROKEN_INDEXES)
+def test_search_broken_index(broken, capsys, tmp_path):
+    """An index whose manifest or data files are damaged: one error line naming the file and the
+    command that rebuilds the index, exit 2, nothing changed."""
+    text, cuts = BROKEN_INDEXES[broken]
+    index = tmp_path / 'index'
+    index.mkdir()
+    buf = io.BytesIO()
+    np.save(buf, np.zeros((4, 8), np.float32))
+    files = {'manifest.json': text.encode(), 'embeddings.ab12.npy': buf.getvalue(),
+             'chunks.ab12.jsonl': b'{"source": "a", "offset": 0, "text": "x"}\n' * 4}
+    for name, data in files.items():
+        if cuts.get(name, len(data)) is not None:
+            (index / name).write_bytes(data[:cuts.get(name, len(data))])
+    culprit = next((n for n in cuts), 'manifest.json')
+    refused(capsys, 'retrieve', ['search', f'--index={index}', '--query=x'], str(index / culprit),
+            keep=[tmp_path])
+    code, _, err = run_main(capsys, 'retrieve', 'search', f'--index={index}', '--query=x')
+    assert f'retrieve.py index --ckpt=CKPT --docs=PATH --index={index} --overwrite' in err
+    assert broken[3:] not in GOOD_MANIFEST or repr(broken[3:]) in err, err   # the field named
+
+
 def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     """60 InfoNCE steps from an untrained LM beat chance 3x; the lm head stays frozen; the result is
     an ordinary model checkpoint, and --init_from=resume continues it."""
@@ -1784,12 +1936,47 @@ def test_bench_throughput_rows_and_mfu(tmp_path):
         assert r['tokens_per_s'] == pytest.approx(2 * 16 / (r['ms_per_step'] / 1e3))
 
 
+def test_bench_throughput_oom_row_and_json_as_rows_finish(tmp_path, monkeypatch, capsys):
+    """A model that cannot be allocated is an OOM row, as in memory mode; --json holds each row as
+    soon as it is measured, so an interrupt after two rows leaves both."""
+    build = bench.build_model
+
+    def build_or_fail(cfg):
+        if cfg.n_ctx == 24:   # what torch's CPU allocator raises past `ulimit -v`
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate")
+        if cfg.n_ctx == 32:
+            raise KeyboardInterrupt
+        return build(cfg)
+    monkeypatch.setattr(bench, 'build_model', build_or_fail)
+    tiny = [a for a in BENCH_TINY if not a.startswith('--n_ctx')]
+    argv = ['throughput', '--archs=mixer', *tiny, '--warmup=1', '--repeats=1',
+            f'--json={tmp_path}/rows.json']
+    code, out, err = run_main(capsys, 'bench', *argv, '--n_ctx=16,24,32')
+    rows = json.loads((tmp_path / 'rows.json').read_text())
+    assert code == 130 and 'Traceback' not in err and 'mixer n_ctx=24: OOM' in out, (code, err)
+    assert [(r['n_ctx'], r['tokens_per_s'] is None, r['mfu'] is None) for r in rows] == [
+        (16, False, False), (24, True, True)]
+    rows = bench.main(argv + ['--n_ctx=24,16'])   # a whole run: an OOM row, then a measured one
+    assert [r['ms_per_step'] is None for r in rows] == [True, False]
+    assert json.loads((tmp_path / 'rows.json').read_text()) == rows
+    assert '| mixer | 24 | 32 | 1 | 2 | float32 | OOM | OOM | OOM |' in capsys.readouterr().out
+
+
 def test_bench_retrieval_times_full_and_trimmed_steps(corpus):
     rows = bench.main(['retrieval', '--archs=mixer,llama', '--d_model=32', '--n_layers=1', '--n_ctx=32',
                        '--batch_size=4', '--dtype=float32', f'--data_dir={corpus.data}', '--warmup=1', '--repeats=1'])
     assert [(r['arch'], r['padding']) for r in rows] == [('mixer', 'full'), ('mixer', 'trimmed'),
                                                          ('llama', 'full'), ('llama', 'trimmed')]
     assert all(r['ms_per_step'] > 0 and 0 < r['real_tokens'] < 1 for r in rows)
+
+
+@pytest.mark.parametrize('where', ['nowhere', 'no pairs'])
+def test_bench_retrieval_refusal_says_it_once(where, data, capsys, tmp_path):
+    """No prepared data, or data without pairs: one error naming it, its advice given once."""
+    data_dir = tmp_path / 'nothing' if where == 'nowhere' else data
+    refused(capsys, 'bench', ['retrieval', f'--data_dir={data_dir}'], str(data_dir))
+    err = run_main(capsys, 'bench', 'retrieval', f'--data_dir={data_dir}')[2].splitlines()[-1]
+    assert err.count('python prepare.py') == 1 and err.count('--data_dir') == 1, err
 
 
 def test_bench_memory(capsys):

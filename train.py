@@ -21,7 +21,8 @@ Budget and precision. The run stops when step reaches max_iters or the training 
 excluded) reaches max_time seconds, whichever comes first (0 = no limit); the learning rate warms
 up, then decays as that budget is used (get_lr), so time-budgeted runs are fair but not
 bit-reproducible (step budgets are). --dtype=auto picks bf16 autocast where the hardware has it
-and float32 on CPUs that would emulate it (choose_dtype); the first log line says why.
+and float32 on CPUs that would emulate it (choose_dtype); the first log line says why. The
+checkpoint records that dtype, and a resumed run keeps it.
 
 Objective bidirectional: --share_ffn=None (or auto, the default) follows the author's code per
 arch: the mixer's two streams share each block's feed-forward and its norm, llama's are two
@@ -33,7 +34,7 @@ run refuses an out_dir that holds a run: resume it, pass --overwrite, or use a n
 retrieve.py trains through setup_runtime and fit; the other scripts share the dtype, device and
 checkpoint helpers.
 """
-import functools, json, math, os, sys, time, timeit
+import functools, json, math, os, sys, time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -88,46 +89,42 @@ MODEL_KEYS = [f.name for f in fields(ModelConfig) if f.name != 'vocab_size']
 # other GPUs, and float32, are measured.
 GPU_PEAK_TFLOPS = {'H200': 989, 'H100 PCIe': 756, 'H100': 989, 'A100': 312, 'L40S': 362, 'V100': 125}
 NO_BF16_ENV = 'NANOMIXER_NO_BF16'  # =1: treat the CPU as one without native bf16 (tests force the fallback)
-_cpu_probe = []  # cpu_bf16's answer, found once per process
-
-
-def matmul_seconds(dtype, n=256, reps=3):
-    """Best time of an n x n matmul on the CPU (a few ms unless the dtype is emulated)."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return min(timeit.repeat(lambda: a @ b, number=1, repeat=reps))
 
 
 def cpu_bf16():
     """(use bf16?, why) for this CPU. bf16 pays only where the CPU multiplies bf16 natively
     (AVX512-BF16/AMX, or Arm's BF16): elsewhere oneDNN emulates it ~500x slower than fp32. The
-    capability query decides, then a matmul probe (< 50 ms, once per process) confirms the speed."""
+    capability query decides, not a timing: a machine gives the same answer however busy it is."""
     if os.environ.get(NO_BF16_ENV, '') not in ('', '0'):
         return False, f"native bf16 switched off by {NO_BF16_ENV}"
-    if not _cpu_probe:
-        cap = torch.backends.cpu.get_cpu_capability()
-        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            _cpu_probe.append((False, f"no native bf16 on this CPU: {cap}"))
-        else:
-            matmul_seconds(torch.bfloat16, 64, 1)  # warm-up; then a 256^3 matmul each way
-            fp32, bf16 = matmul_seconds(torch.float32), matmul_seconds(torch.bfloat16)
-            fast = bf16 < 0.8 * fp32
-            _cpu_probe.append((fast, f"{'native' if fast else 'slow'} bf16 on this CPU: {cap}, "
-                                     f"bf16 matmul {fp32 / bf16:.1f}x fp32"))
-    return _cpu_probe[0]
+    cap = torch.backends.cpu.get_cpu_capability()
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False, f"no native bf16 on this CPU: {cap}"
+    return True, f"native bf16 on this CPU: {cap}"
 
 
-def choose_dtype(device, requested='auto'):
-    """(torch dtype, why) for autocast. auto: CUDA bf16 where supported, else fp16 (with a
-    GradScaler); CPU bf16 where native and faster, else fp32. An explicit dtype wins."""
+def choose_dtype(device, requested='auto', recorded=None):
+    """(torch dtype, why) for autocast. auto: the dtype a resumed run recorded (`recorded`, a
+    name such as 'bfloat16'), else CUDA bf16 where supported, else fp16 (with a GradScaler); CPU
+    bf16 where native, else fp32. An explicit dtype wins (why says so if the record differs)."""
+    if requested == 'auto' and recorded:
+        if recorded == 'float16' and device.type != 'cuda':
+            raise ValueError("this run was trained in float16 on a CUDA GPU: to go on on a CPU, "
+                             "pass --dtype=float32 (or bfloat16)")
+        dtype, why = choose_dtype(device, recorded)
+        return dtype, "recorded by the run it resumes" + (f"; {why}" if why != 'as asked' else '')
     if requested != 'auto':
         dtype = getattr(torch, requested)
         if dtype == torch.float16 and device.type != 'cuda':
             raise ValueError("--dtype=float16 is for CUDA GPUs (with a GradScaler): on CPU use auto, bfloat16 or float32")
         if dtype == torch.bfloat16 and device.type == 'cpu' and not cpu_bf16()[0]:
-            print(f"warning: dtype=bfloat16 on a CPU without fast bf16 ({cpu_bf16()[1]}): matmuls are emulated, "
-                  f"hundreds of times slower than float32; leave --dtype=auto", file=sys.stderr)
+            print(f"warning: bfloat16 on a CPU without native bf16 ({cpu_bf16()[1]}): matmuls are "
+                  f"emulated, hundreds of times slower than float32; ask for --dtype=float32",
+                  file=sys.stderr)
         if dtype == torch.bfloat16 and device.type == 'cuda' and not torch.cuda.is_bf16_supported():
             return torch.float16, "bfloat16 asked, but this GPU has none: fp16 with a GradScaler"
+        if recorded and recorded != requested:
+            return dtype, f"as asked; the run it resumes was trained in {recorded}"
         return dtype, "as asked"
     if device.type == 'cuda':
         if torch.cuda.is_bf16_supported():
@@ -135,6 +132,20 @@ def choose_dtype(device, requested='auto'):
         return torch.float16, "no bf16 on this GPU: fp16 with a GradScaler"
     use, why = cpu_bf16()
     return (torch.bfloat16 if use else torch.float32), why
+
+
+def reading_dtype(device, requested='auto', recorded=None):
+    """(torch dtype, why) to run a trained checkpoint (sample.py, retrieve.py). auto: the dtype it
+    was trained in (`recorded`) where this device has it natively, else float32, never one the
+    device would emulate; checkpoints that record none: choose_dtype's auto."""
+    if requested != 'auto' or not recorded:
+        return choose_dtype(device, requested)
+    cuda = device.type == 'cuda'
+    native = {'float32': True, 'float16': cuda,
+              'bfloat16': torch.cuda.is_bf16_supported() if cuda else cpu_bf16()[0]}
+    if native.get(recorded):
+        return getattr(torch, recorded), f"the checkpoint's {recorded}"
+    return torch.float32, f"the checkpoint's {recorded} is not native here"
 
 
 def resolve_device(name):
@@ -196,8 +207,9 @@ def rank_pieces(grad_accum, batch_size, world, rank):
     """This rank's share of an optimizer step, as (micro, shard, shards) triples. A step is
     grad_accum micro-batches of batch_size rows whatever the world size: whole micro-batches are
     dealt out to the ranks, and where the ranks outnumber them (torchrun with the default
-    grad_accum=1) each micro-batch is cut into `shards` equal row shards. Every shard's loss is a
-    mean over its rows, and DDP averages the ranks, so the step's gradient is the same."""
+    grad_accum=1) each micro-batch is cut into `shards` equal row shards. A shard's loss is a
+    mean over its real targets, so fit weighs it by its share of the micro-batch's (equal in
+    packed batches, not in padded documents); DDP averages the ranks: the same step."""
     shards = world // math.gcd(grad_accum, world)
     if batch_size % shards:
         raise ValueError(f"{world} processes cannot share a step of grad_accum={grad_accum} x batch_size={batch_size}: "
@@ -206,13 +218,14 @@ def rank_pieces(grad_accum, batch_size, world, rank):
     return [(p // shards, p % shards, shards) for p in range(rank * per_rank, (rank + 1) * per_rank)]
 
 
-def setup_runtime(cfg):
-    """Device, DDP (when launched by torchrun), AMP dtype and GradScaler; seeds torch."""
+def setup_runtime(cfg, recorded=None):
+    """Device, DDP (when launched by torchrun), AMP dtype (recorded: the dtype name of the run being
+    resumed, kept under --dtype=auto) and GradScaler; seeds torch."""
     world, distributed = int(os.environ.get('WORLD_SIZE', 1)), 'RANK' in os.environ  # set by torchrun
     rank, local_rank = int(os.environ.get('RANK', 0)), int(os.environ.get('LOCAL_RANK', 0))
     rank_pieces(cfg['grad_accum'], cfg['batch_size'], world, rank)  # fails early if the ranks cannot share a step
     device = resolve_device(cfg['device'])
-    dtype, why = choose_dtype(device, cfg['dtype'])
+    dtype, why = choose_dtype(device, cfg['dtype'], recorded)
     if device.type == 'cuda':
         device = torch.device('cuda', local_rank if distributed else (device.index or 0))
         torch.cuda.set_device(device)
@@ -222,6 +235,27 @@ def setup_runtime(cfg):
     torch.manual_seed(cfg['seed'])  # identical initial weights on every rank
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     return Runtime(device, dtype, scaler, rank, world, why, distributed)
+
+
+def check_on_every_rank(runtime, check):
+    """Run check(), which raises ValueError to refuse, on every rank, and share the refusals before
+    any other collective: under torchrun all ranks exit 2 together and rank 0 prints the one error
+    line, where the others would go on into DDP and die with a traceback when their peer left."""
+    if not runtime.distributed:
+        return check()
+    try:
+        check()
+        error = ''
+    except ValueError as e:
+        error = str(e)
+    errors = [None] * runtime.world
+    dist.all_gather_object(errors, error)
+    error = next((e for e in errors if e), '')
+    if error:
+        if runtime.master:   # before any rank exits: torchrun stops the others when one does
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        dist.barrier()
+        raise SystemExit(2)   # run_main returns it as the exit status
 
 
 def configure_optimizer(model, lr, weight_decay, device_type, betas=(0.9, 0.999)):
@@ -297,21 +331,25 @@ def trim_log(path, step):
 
 # ----------------------------------------------------------------------------- the loop
 
-def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_token=None):
+def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_token=None,
+        real_targets=None):
     """Train `model` until the budget is spent, evaluating and checkpointing every eval_interval.
     get_batch(split, step, micro, shard=0, shards=1) -> a tuple of CPU tensors (None entries pass
     through; the first one's numel counts as tokens): row shard `shard` of `shards` of micro-batch
     `micro` of `step` (see rank_pieces; step=None: evaluation batch `micro`), a pure function of its
     arguments. loss_fn(model, batch) -> scalar loss; it must call model(...), where DDP's hooks are.
     ckpt_extra goes into every checkpoint; resume (a checkpoint dict) is continued exactly.
+    real_targets(batch) -> int: how many targets loss_fn averages over, where row shards of a
+    micro-batch can hold different counts (padded documents); None: every row holds as many.
     Returns dict(step, tokens_seen, train_time, best_val, train_loss, val_loss, stopped), stopped
     'budget' or 'diverged' (a non-finite loss: nothing more is saved, the last checkpoint stays)."""
     out_dir, device, scaler, master = cfg['out_dir'], runtime.device, runtime.scaler, runtime.master
     log_path = os.path.join(out_dir, 'log.jsonl')
-    check_out_dir(out_dir, resume is None, cfg['overwrite'])
+    check_on_every_rank(runtime, lambda: check_out_dir(out_dir, resume is None, cfg['overwrite']))
     if master:
         remove_leftovers(out_dir, resume is None)
     raw = model.to(device)
+    ckpt_extra = {**ckpt_extra, 'dtype': str(runtime.dtype)[6:]}  # the run's dtype: resume keeps it
     optimizer = configure_optimizer(raw, cfg['lr'], cfg['weight_decay'], device.type)
     step, tokens_seen, train_time, best_val = 0, 0, 0.0, float('inf')
     if resume is not None:  # what save() wrote (older checkpoints also hold rng and data_state: unused)
@@ -358,10 +396,17 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
         for group in optimizer.param_groups:
             group['lr'] = lr
         for i, (micro, shard, shards) in enumerate(pieces):
-            batch = to_device(get_batch('train', step, micro, shard, shards), device)
+            batch = get_batch('train', step, micro, shard, shards)
+            weight = 1.0  # shards x this shard's share of the micro-batch's targets (rank_pieces)
+            if shards > 1 and real_targets:  # a rank can draw the whole micro-batch: no collective
+                whole = real_targets(get_batch('train', step, micro))
+                weight = shards * real_targets(batch) / whole
+            batch = to_device(batch, device)
             sync = i == len(pieces) - 1 or not runtime.distributed  # DDP all-reduces in the last backward only
             with nullcontext() if sync else ddp.no_sync(), autocast(device, runtime.dtype):
                 loss = loss_fn(ddp, batch)
+            if weight != 1.0:
+                loss = loss * weight
             scaler.scale(loss / len(pieces)).backward()
             loss_sum += loss.detach()
             tokens_seen += batch[0].numel() * runtime.world  # every rank's share is this size
@@ -559,7 +604,7 @@ def train_lm(argv):
         resume = load_checkpoint(path)
         check_resumable(resume, path, mcfg)
     get_batch = Batches(cfg, meta, cfg['data_dir'])
-    runtime = setup_runtime(cfg)
+    runtime = setup_runtime(cfg, resume and resume.get('dtype'))
     try:
         model = build_model(mcfg)
         if runtime.master:
@@ -569,7 +614,12 @@ def train_lm(argv):
         extra = {'kind': 'lm', 'model_config': asdict(mcfg),
                  'data': {'data_dir': os.path.abspath(cfg['data_dir']), 'meta': meta}}
         loss_fn = lambda model, batch: model(batch[0], targets=batch[1], mask=batch[2])[1]  # batch: (x, targets, mask)
-        stats = fit(cfg, runtime, model, get_batch, loss_fn, extra, resume, flops_per_token(mcfg))
+        # lm_loss averages over the targets that are not -1: padded documents give each row shard
+        # its own count (mtp2's second term, one fewer a row, is weighed as the first); packed: all
+        docs = cfg['batch_mode'] == 'documents'
+        count = (lambda batch: int((batch[1] != -1).sum())) if docs else None
+        stats = fit(cfg, runtime, model, get_batch, loss_fn, extra, resume, flops_per_token(mcfg),
+                    count)
     finally:
         runtime.close()
     if stats['stopped'] == 'diverged':
