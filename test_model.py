@@ -288,7 +288,7 @@ def test_decode_layout_changes_strides_not_tokens(variant):
 
 @pytest.mark.parametrize('arch', ['mixer', 'llama'])
 def test_compiled_decode_step_traces_once_for_all_positions(arch):
-    """stream(compile=True): one dynamic-shape graph for every position, the same tokens and logits.
+    """A compiled model.step: one dynamic-shape graph for every position, the same tokens and logits.
     The 'eager' backend checks the tracing in seconds; inductor's code is left to bench.py --compile."""
     from torch._dynamo.utils import counters
     model = tiny_model(arch=arch)
@@ -304,7 +304,7 @@ def test_compiled_decode_step_traces_once_for_all_positions(arch):
 
 
 def test_compiled_decode_step_freezes_each_models_weights():
-    """stream(compile=True) on CPU: inductor with the weights frozen in as constants (max-autotune's own GEMVs).
+    """sample.compiled_step on CPU: inductor with the weights frozen in as constants (max-autotune's own GEMVs).
     Two models compiled side by side each decode their own eager tokens; changed weights are refused."""
     torch._dynamo.reset()
     models = [perturbed(ModelConfig(vocab_size=VOCAB, n_ctx=N_CTX, d_model=16, n_layers=1), 0.1, seed).eval()
@@ -2378,7 +2378,7 @@ def test_cuda_window_equals_cache(variant, no_tf32):
 @cuda
 @pytest.mark.parametrize('arch', ['mixer', 'llama'])
 def test_cuda_compiled_decode_step_equals_eager(arch, no_tf32):
-    """stream(compile=True) through inductor's GPU kernels: the eager step's tokens, its logits to 1e-4."""
+    """sample.compiled_step through inductor's GPU kernels: the eager step's tokens, its logits to 1e-4."""
     model = tiny_model(arch=arch).cuda()
     torch._dynamo.reset()
     step = sample.compiled_step(model)
