@@ -287,7 +287,7 @@ def budget_used(cfg, step, train_time):
 
 # ----------------------------------------------------------------------------- checkpoints and out_dir
 
-OLD_LAYOUT = 'OLDCOMMIT'  # the last commit whose blocks were lists of sublayers
+OLD_LAYOUT = 'be76ede'  # the last commit whose blocks were lists of sublayers
 
 
 def save_checkpoint(obj, path):
