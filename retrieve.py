@@ -1,35 +1,27 @@
 """
 retrieve.py: retrieval with masked mixers and transformers (paper §6), in one file.
 
-    python retrieve.py train    --init_from=out/ckpt.pt --data_dir=data/pystdlib --out_dir=out-retrieval
-    python retrieve.py eval     --ckpt=out-retrieval/ckpt.pt --pairs=data/pystdlib/pairs_val.jsonl [--peer=all-MiniLM-L6-v2]
+    python retrieve.py train    --init_from=out/ckpt.pt --data_dir=data/pystdlib
+    python retrieve.py eval     --ckpt=out-retrieval/ckpt.pt --pairs=data/pystdlib/pairs_val.jsonl
     python retrieve.py indirect --ckpt=out/ckpt.pt --data_dir=data/pystdlib --c=32,128
-    python retrieve.py index    --ckpt=out-retrieval/ckpt.pt --docs=src/,notes.txt --index=my-index
-    python retrieve.py search   --index=my-index --query="parse an ISO date" --k=5
+    python retrieve.py index    --ckpt=out-retrieval/ckpt.pt --docs=src/,notes.txt
+    python retrieve.py search   --query="parse an ISO date" --k=5
 
-Subcommands (python retrieve.py COMMAND --help lists a command's keys and their defaults):
+Commands (python retrieve.py COMMAND --help lists a command's keys and their defaults):
   train     InfoNCE fine-tuning of a pretrained checkpoint on pairs_train.jsonl (§6.3, eqs 7-8)
-  eval      top-1 accuracy for many n (Tables 1, 3, 4), MRR@10 and recall@1/5/10 against all targets;
-            --peer scores a sentence-transformers model on the same pairs, table for table
+  eval      top-1 accuracy for many n (Tables 1, 3, 4), MRR@10 and recall@1/5/10 against all
+            targets; --peer also scores a sentence-transformers model on the same pairs
   indirect  a RetrievalMixer on the frozen model's raw last hidden states (§6.2, Algorithm 1)
-  index     embed documents (comma-separated folders, text files, .jsonl files) in n_ctx-token chunks
+  index     embed documents (folders, text files, .jsonl files) in n_ctx-token chunks
   search    the best chunks of an index for a query
 
 n counts as Table 1's caption does: one query, its matching target and n-2 non-matching targets,
 so n-1 candidates (chance 1/(n-1)); indirect's c and train's paper negatives count the same way.
-A text's embedding (TextEncoder): bos, its first n_ctx tokens left-padded (§6.1), the last hidden
-state at --embed_pos (-1: the last real token; 0: the checkpoint's own), L2-normalised so a dot
-product is eq. 9's cosine; computed in batches under autocast to --dtype, similarities in float32.
-indirect feeds the RetrievalMixer the raw hidden states, as the author's code does
-(--normalize=True: the unit embeddings x sqrt(d_model), every component O(1)).
-
-train and indirect run train.py's fit: its loop keys (--lr, --batch_size, --grad_accum, --max_iters,
---max_time, --dtype, --device, --compile, ...), DDP (torchrun --standalone --nproc_per_node=4
-retrieve.py train ...), AMP, budgets, atomic checkpoints, log.jsonl, exact resume (--init_from=resume).
-train's batch_size counts queries: a micro-batch embeds 2 x batch_size sequences (in-batch negatives)
-or 32 x batch_size (the paper's 30 sampled negatives; its setting: --batch_size=1 --grad_accum=4).
+train and indirect run train.py's fit: its loop keys (--lr, --grad_accum, --max_iters, --max_time,
+--dtype, --device, --compile, ...), DDP (torchrun --standalone --nproc_per_node=4 retrieve.py
+train ...), AMP, budgets, atomic checkpoints, log.jsonl, exact resume (--init_from=resume).
 """
-import hashlib, io, json, math, os, sys, time
+import contextlib, hashlib, io, json, math, os, sys, time
 
 import numpy as np
 import torch
@@ -38,12 +30,13 @@ import torch.nn.functional as F
 
 import train
 from model import RetrievalMixer
-from prepare import (Tokenizer, check_out_dir, check_output_file, int_list, parse_args, read_text_file, run_main,
-                     visible_files, write_atomic)
+from prepare import (Tokenizer, check_online, check_out_dir, check_output_file, int_list,
+                     parse_args, read_text_file, run_main, visible_files, write_atomic)
 
 TAU = 0.02             # InfoNCE temperature (eq. 8)
-PAPER_N = 32           # --negatives=paper: n = 32 sequences, a query, its target and 30 non-matching ones (§6.3)
+PAPER_N = 32           # --negatives=paper: a query, its target and 30 non-matching ones (§6.3)
 DEFAULT_NS = tuple(2 ** k for k in range(5, 14))   # 32, 64, ..., 8192: the columns of Table 1
+PROGRESS_S = 5.0       # seconds between progress lines while embedding
 
 
 # ----------------------------------------------------------------------------- each command's keys
@@ -51,8 +44,8 @@ DEFAULT_NS = tuple(2 ** k for k in range(5, 14))   # 32, 64, ..., 8192: the colu
 EMBED = dict(
     device='auto',          # auto (cuda if present), cpu or cuda[:i]
     dtype='auto',           # autocast; auto: bf16 where native, else fp32 (embed: the trained one)
-    batch_size=32,          # texts per forward pass (train: queries per micro-batch, 2 x 32 or 32 x 32 sequences)
-    embed_pos=0,            # window position of the embedding; 0 = the checkpoint's (-1 unless it recorded another)
+    batch_size=32,          # texts per forward pass (train: queries per micro-batch)
+    embed_pos=0,            # window position of the embedding; 0: the checkpoint's (else -1)
 )
 FIT = dict(train.LOOP_DEFAULTS, **EMBED, warmup_iters=20, eval_interval=100, eval_iters=10,
            data_dir='data/pystdlib')  # holds pairs_train.jsonl and pairs_val.jsonl
@@ -60,7 +53,9 @@ TRAIN = dict(
     FIT,
     init_from='',           # train.py's ckpt.pt or best.pt, or resume (continue out_dir/ckpt.pt)
     out_dir='out-retrieval',
-    negatives='inbatch',    # inbatch: B x B logits | paper: each query vs its target + 30 others (eq. 7)
+    negatives='inbatch',    # inbatch: B x B logits, 2B sequences | paper: each query vs its
+                            # target + 30 others (eq. 7), 32B sequences (paper: --batch_size=1
+                            # --grad_accum=4)
     symmetric=False,        # inbatch: also each target vs the B queries (CLIP's two-way loss)
     lr=1e-4,                # the paper's retrieval learning rate
     max_iters=1000,
@@ -69,10 +64,10 @@ INDIRECT = dict(
     FIT,
     ckpt='',                # the frozen embedding model (train.py's checkpoint)
     out_dir='out-indirect',  # one run per c in out_dir/c{c}/
-    c='32,128',             # comparison sizes, counted as Table 1's n: the query, its target and c - 2 others
+    c='32,128',             # comparison sizes, counted as Table 1's n (the query, its target, c-2)
     n_layers=8,             # RetrievalMixer depth; d_model is the embedding model's
     batch_size=64,          # retrieval inputs per micro-batch (the paper used 512)
-    lr=1e-3,                # paper: 1e-4 at batch 512 for many epochs; 1e-3 learns in CPU-sized runs
+    lr=1e-3,                # paper: 1e-4 at batch 512 for many epochs; 1e-3 learns in CPU runs
     max_iters=500,
     normalize=False,        # False: raw hidden states, as the author's code; True: unit rows x √d
     json='',                # also write {"c": {"32": {"loss": .., "top1": ..}, ..}} here
@@ -80,9 +75,9 @@ INDIRECT = dict(
 EVAL = dict(
     EMBED,
     ckpt='',                # an 'lm' or 'retrieval' checkpoint
-    peer='',                # also (or only) a sentence-transformers model by name or folder, e.g. all-MiniLM-L6-v2
+    peer='',                # also (or only) a sentence-transformers model: a folder or a hub name
     pairs='',               # a pairs JSONL file ({"query": ..., "target": ...} per line)
-    n=','.join(map(str, DEFAULT_NS)),  # Table 1's n (n-1 candidates), each capped at the pair count + 1
+    n=','.join(map(str, DEFAULT_NS)),  # Table 1's n (n-1 candidates), capped at the pairs + 1
     seed=0,                 # seed of the sampled negatives
     json='',                # also write the metrics to this JSON file
 )
@@ -90,11 +85,13 @@ INDEX = dict(
     EMBED,
     ckpt='',                # the embedding model (best: a 'retrieval' checkpoint)
     docs='',                # comma-separated folders, text files and .jsonl files ("text" fields)
-    index='',               # the index folder to write
+    index='out/index',      # the index folder to write
+    min_chunk=16,           # a document's last chunk shorter than this (tokens) joins the one
+                            # before it (0: never)
     overwrite=False,        # replace the index already in --index
 )
 SEARCH = dict(
-    index='',               # an index folder made by retrieve.py index
+    index='out/index',      # an index folder made by retrieve.py index
     query='',               # the text to look for
     k=5,                    # how many results
     ckpt='',                # the index's model, if it moved (its weights must match the index's)
@@ -103,17 +100,18 @@ SEARCH = dict(
 )
 
 
-# ----------------------------------------------------------------------------- files and lists
+# ----------------------------------------------------------------------------- files
 
 def read_jsonl(path):
-    """(line number, JSON value) for each non-blank line of a .jsonl file; a bad line is an error naming file:line."""
+    """(line number, JSON value) per non-blank line of a .jsonl file; a bad line names file:line."""
     rows = []
     for lineno, line in enumerate(read_text_file(path, 'JSONL file').split('\n'), 1):
         if line.strip():
             try:
                 rows.append((lineno, json.loads(line)))
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg}): fix or delete that line") from None
+                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg}): fix or delete "
+                                 f"that line") from None
     return rows
 
 
@@ -121,8 +119,10 @@ def read_pairs(path):
     """(queries, targets) from a pairs file of {"query": ..., "target": ...} lines."""
     rows = read_jsonl(path)
     for lineno, row in rows:
-        if not (isinstance(row, dict) and isinstance(row.get('query'), str) and isinstance(row.get('target'), str)):
-            raise ValueError(f"{path}:{lineno}: not an object with string fields 'query' and 'target'")
+        if not (isinstance(row, dict) and all(isinstance(row.get(k), str)
+                                              for k in ('query', 'target'))):
+            raise ValueError(f"{path}:{lineno}: not an object with string fields 'query' and "
+                             f"'target'")
     if len(rows) < 2:
         raise ValueError(f"{path} holds {len(rows)} pair(s): retrieval needs at least 2")
     return [row['query'] for _, row in rows], [row['target'] for _, row in rows]
@@ -147,13 +147,13 @@ def left_pad(seqs, n_ctx, pad_id):
 
 
 def length_groups(lengths, overhead):
-    """Rows sorted by length and cut into runs minimising sum(rows x longest + overhead), by dynamic
-    programming, so short queries are not padded to the longest target of their batch.
+    """Rows sorted by length and cut into runs minimising sum(rows x longest + overhead), by
+    dynamic programming, so short queries are not padded to the longest target of their batch.
     Returns the order (B,) and the (start, end) of each run in it."""
     order = torch.argsort(lengths)
     l = lengths[order].double().numpy()
     best, cut = np.zeros(len(l) + 1), np.zeros(len(l) + 1, dtype=np.int64)
-    for j in range(1, len(l) + 1):       # best[j]: rows [0, j) grouped; the last run starts at cut[j]
+    for j in range(1, len(l) + 1):   # best[j]: rows [0, j) grouped; the last run starts at cut[j]
         cost = best[:j] + (j - np.arange(j)) * l[j - 1] + overhead
         cut[j] = int(cost.argmin())
         best[j] = cost[cut[j]]
@@ -165,13 +165,12 @@ def length_groups(lengths, overhead):
 
 
 class TextEncoder(nn.Module):
-    """A language model as a text encoder: (B, n_ctx) left-padded tokens -> (B, d_model) unit rows, the
-    last hidden state at window position embed_pos (normalize=False: the raw hidden state). Left
-    padding puts every text's last token at -1, a position a masked mixer (a weight per position)
-    was trained on (the paper read -2: its models shifted targets inside and never trained the
-    last; train.py shifts in its loader). trim: rows grouped by length, each group run on its own
-    real columns (model.hidden's keep), the full window's embeddings for less compute. state_dict
-    is the model's: a retrieval checkpoint is a model checkpoint."""
+    """A language model as a text encoder: (B, n_ctx) left-padded tokens -> (B, d_model) unit
+    rows, the last hidden state at window position embed_pos (normalize=False: raw). Left padding
+    puts every text's last token at -1, a position a masked mixer (a weight per position) was
+    trained on (the paper read -2: its models shifted targets inside and never trained the last).
+    trim: rows grouped by length, each group run on its own real columns (model.hidden's keep):
+    the full window's embeddings for less compute. Its state_dict is the model's."""
 
     def __init__(self, model, embed_pos=-1, trim=True, normalize=True):
         super().__init__()
@@ -179,7 +178,8 @@ class TextEncoder(nn.Module):
         backbone = getattr(model, 'backbone', getattr(model, 'encoder', None))
         self.trim = trim and getattr(backbone, 'trims', False)
         if not -model.cfg.n_ctx <= embed_pos < model.cfg.n_ctx:
-            raise ValueError(f"embed_pos={embed_pos} is outside the n_ctx={model.cfg.n_ctx} window: use -1 or -2")
+            raise ValueError(f"embed_pos={embed_pos} is outside the n_ctx={model.cfg.n_ctx} "
+                             f"window: use -1 or -2")
 
     def forward(self, idx, mask):
         unit = F.normalize if self.normalize else lambda h, dim: h   # raw: indirect's inputs
@@ -188,12 +188,11 @@ class TextEncoder(nn.Module):
         n = idx.shape[1]
         at = self.embed_pos % n                                   # the embedding's window position
         order, runs = length_groups(mask.sum(1).clamp(min=n - at).cpu(), overhead=n)
-        order = order.to(idx.device)
-        h = []
+        order, h = order.to(idx.device), []
         for a, b in runs:
             rows = order[a:b]
-            keep = max(n - at, int(mask[rows].sum(1).max()))       # the real columns of the group's longest
-            h.append(self.model.hidden(idx[rows], mask[rows], keep)[:, at - n])   # (b - a, d_model)
+            keep = max(n - at, int(mask[rows].sum(1).max()))   # the group's longest real columns
+            h.append(self.model.hidden(idx[rows], mask[rows], keep)[:, at - n])  # (b-a, d_model)
         h = torch.cat(h)[torch.argsort(order)]                    # back to the batch's order
         return unit(h.float(), dim=-1)
 
@@ -205,7 +204,7 @@ class TextEncoder(nn.Module):
 
 
 def text_encoder(ckpt, path, embed_pos=0, normalize=True):
-    """The TextEncoder of an 'lm' or 'retrieval' checkpoint; embed_pos 0 takes the one it records, else -1."""
+    """An 'lm' or 'retrieval' checkpoint's TextEncoder; embed_pos 0: the one it records, or -1."""
     if ckpt.get('kind') not in ('lm', 'retrieval'):
         raise ValueError(f"{path} is a {ckpt.get('kind')!r} checkpoint: embeddings come from an "
                          f"'lm' (train.py) or 'retrieval' (retrieve.py train) checkpoint")
@@ -214,54 +213,59 @@ def text_encoder(ckpt, path, embed_pos=0, normalize=True):
 
 
 class Embedder:
-    """A checkpoint's encoder and tokenizer: texts -> unit embeddings (N, d_model), batched, no grad
-    (normalize=False: the raw last hidden states)."""
+    """A checkpoint's encoder and tokenizer: texts -> unit embeddings (N, d_model), batched, no
+    grad (normalize=False: the raw last hidden states); progress on stderr when it takes long."""
 
     def __init__(self, ckpt_path, device='auto', dtype='auto', batch_size=32, embed_pos=0,
                  normalize=True):
         ckpt = train.load_checkpoint(ckpt_path)
         self.encoder = text_encoder(ckpt, ckpt_path, embed_pos, normalize)
-        h, weights = hashlib.sha256(), ckpt['model']     # a hash of the weights: an index knows who embedded it
+        h, weights = hashlib.sha256(), ckpt['model']  # an index knows which weights embedded it
         for name in sorted(weights):
             h.update(name.encode())
-            h.update(weights[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(weights[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
         self.path, self.fingerprint = os.path.abspath(ckpt_path), h.hexdigest()[:16]
         self.device = train.resolve_device(str(device))
-        self.dtype, _ = train.reading_dtype(self.device, dtype, ckpt.get('dtype'))  # never emulated
-        self.batch_size = batch_size
+        self.dtype, _ = train.reading_dtype(self.device, dtype, ckpt.get('dtype'))  # not emulated
+        self.batch_size, self.progress = batch_size, True
         self.encoder.to(self.device).eval()
         self.n_ctx, self.d_model = self.encoder.model.cfg.n_ctx, self.encoder.model.cfg.d_model
-        self.data = ckpt['data']                                     # data_dir and meta: the tokenizer
+        self.data = ckpt['data']                                 # data_dir and meta: the tokenizer
         self.tok = Tokenizer.from_meta(self.data['meta'], self.data['data_dir'])
 
     @torch.no_grad()
     def embed_tokens(self, seqs):
-        out = [torch.zeros(0, self.d_model)]
+        out, t0, shown = [torch.zeros(0, self.d_model)], time.perf_counter(), 0.0
         for i in range(0, len(seqs), self.batch_size):
             idx, mask = left_pad(seqs[i:i + self.batch_size], self.n_ctx, self.tok.pad_id)
             with train.autocast(self.device, self.dtype):
                 out.append(self.encoder(idx.to(self.device), mask.to(self.device)).float().cpu())
+            done, dt = i + len(idx), time.perf_counter() - t0
+            if self.progress and done < len(seqs) and dt - shown >= PROGRESS_S:
+                shown = dt
+                print(f"embedding: {done}/{len(seqs)} texts in {dt:.0f}s, about "
+                      f"{dt * (len(seqs) - done) / done:.0f}s to go", file=sys.stderr)
         return torch.cat(out)
 
-    def __call__(self, texts):  # list of str -> (N, d_model) float32, unit rows; bos first, as in pretraining
+    def __call__(self, texts):  # str list -> (N, d_model) float32; bos first, as in pretraining
         return self.embed_tokens([self.tok.encode(t, bos=True)[:self.n_ctx] for t in texts])
 
 
-# ----------------------------------------------------------------------------- candidates and losses
+# ----------------------------------------------------------------------------- candidates, losses
 
 def sample_candidates(match, n_pool, k, generator=None):
-    """Algorithm 1 (§6.2) for a batch: for each match index (B,), k candidate indices into a pool of
-    n_pool: k-1 distinct non-matching ones in random order, the match at a uniformly random slot.
-    Returns cands (B, k) and labels (B,), the match's slot."""
+    """Algorithm 1 (§6.2) for a batch: for each match index (B,), k candidate indices into a pool
+    of n_pool: k-1 distinct non-matching ones in random order, the match at a uniformly random
+    slot. Returns cands (B, k) and labels (B,), the match's slot."""
     B = match.shape[0]
     if not 2 <= k <= n_pool:
         raise ValueError(f"{k} candidates per query need 2 <= k <= {n_pool} (the pool size)")
     keys = torch.rand(B, n_pool, generator=generator)
-    keys[torch.arange(B), match] = 2.0                                 # never drawn as a negative
+    keys[torch.arange(B), match] = 2.0                             # never drawn as a negative
     cands = torch.cat([keys.topk(k - 1, dim=1, largest=False).indices, match[:, None]], dim=1)
     labels = torch.randint(0, k, (B,), generator=generator)
     rows = torch.arange(B)
-    cands[rows, k - 1] = cands[rows, labels]                           # swap the match into its slot
+    cands[rows, k - 1] = cands[rows, labels]                       # swap the match into its slot
     cands[rows, labels] = match
     return cands, labels
 
@@ -269,37 +273,39 @@ def sample_candidates(match, n_pool, k, generator=None):
 def info_nce(q, t, labels, tau=TAU, symmetric=False):
     """Eq. 7 with f = exp(cos / tau) (eq. 8), averaged over queries. q (B, d) and t unit rows;
     t (M, d) is shared by all queries (in-batch negatives) or (B, k, d) per query (paper groups);
-    labels (B,) index each query's match among its candidates. symmetric (in-batch only, as in
-    CLIP): the mean with the reverse direction, each matching target picking its query among the B."""
+    labels (B,) index each query's match among its candidates. symmetric (in-batch, as CLIP):
+    the mean with the reverse direction, each matching target picking its query among the B."""
     logits = q @ t.T if t.dim() == 2 else torch.einsum('bd,bkd->bk', q, t)
     loss = F.cross_entropy(logits / tau, labels)
     if symmetric:
-        loss = (loss + F.cross_entropy((t[labels] @ q.T) / tau, torch.arange(len(labels), device=labels.device))) / 2
+        back = torch.arange(len(labels), device=labels.device)
+        loss = (loss + F.cross_entropy((t[labels] @ q.T) / tau, back)) / 2
     return loss
 
 
 # ----------------------------------------------------------------------------- InfoNCE training
 
 class PairBatches:
-    """get_batch for InfoNCE: (idx (M, n_ctx), mask, labels) with the B queries in the first rows and
+    """get_batch for InfoNCE: (idx (M, n_ctx), mask, labels), the B queries in the first rows and
     their candidate targets after them: B targets (inbatch) or B groups of 31 (paper, Algorithm 1
     on token sequences). Micro-batch `micro` of `step` depends on nothing else (exact resume)."""
 
     def __init__(self, cfg, tok, n_ctx):
-        self.cfg, self.n_ctx, self.pad = cfg, n_ctx, tok.pad_id
-        self.pairs = {}
-        need = cfg['batch_size'] if cfg['negatives'] == 'inbatch' else max(cfg['batch_size'], PAPER_N - 1)
+        self.cfg, self.n_ctx, self.pad, self.pairs = cfg, n_ctx, tok.pad_id, {}
+        need = cfg['batch_size'] if cfg['negatives'] == 'inbatch' else max(cfg['batch_size'],
+                                                                           PAPER_N - 1)
         for split in train.SPLITS:
             path = os.path.join(cfg['data_dir'], f'pairs_{split}.jsonl')
             queries, targets = read_pairs(path)
             if len(queries) < need:
-                raise ValueError(f"{path} holds {len(queries)} pairs, fewer than the {need} a batch needs "
-                                 f"(negatives={cfg['negatives']}): lower --batch_size")
-            self.pairs[split] = ([tok.encode(q, bos=True) for q in queries], [tok.encode(t, bos=True) for t in targets])
+                raise ValueError(f"{path} holds {len(queries)} pairs, fewer than the {need} a batch "
+                                 f"needs (negatives={cfg['negatives']}): lower --batch_size")
+            self.pairs[split] = tuple([tok.encode(t, bos=True) for t in texts]
+                                      for texts in (queries, targets))
 
     def __call__(self, split, step, micro, shard=0, shards=1):
         """A row shard (shards > 1) keeps its share of the queries and, with in-batch negatives,
-        all B targets: each query is scored against the same candidates as in the whole micro-batch."""
+        all B targets: each query meets the same candidates as in the whole micro-batch."""
         cfg, (queries, targets), B = self.cfg, self.pairs[split], self.cfg['batch_size']
         rng = train.batch_rng(cfg, split, step, micro)
         match = rng.choice(len(queries), B, replace=False)
@@ -308,10 +314,11 @@ class PairBatches:
             rows, labels = match, torch.arange(B)[mine]
         else:
             gen = torch.Generator().manual_seed(int(rng.integers(2 ** 62)))
-            cands, labels = sample_candidates(torch.from_numpy(match), len(targets), PAPER_N - 1, gen)
+            cands, labels = sample_candidates(torch.from_numpy(match), len(targets), PAPER_N - 1,
+                                              gen)
             rows, labels = cands[mine].flatten().tolist(), labels[mine]
-        idx, mask = left_pad([queries[i] for i in match[mine]] + [targets[i] for i in rows], self.n_ctx, self.pad)
-        return idx, mask, labels
+        seqs = [queries[i] for i in match[mine]] + [targets[i] for i in rows]
+        return (*left_pad(seqs, self.n_ctx, self.pad), labels)
 
 
 def cmd_train(cfg):
@@ -335,34 +342,38 @@ def cmd_train(cfg):
                                                             cfg['overwrite']))
         tok = Tokenizer.from_meta(src['data']['meta'], src['data']['data_dir'])
         get_batch = PairBatches(cfg, tok, n_ctx)
-        # freeze what embeddings do not use (lm head, a decoder): AdamW and DDP skip it, DDP waits for no gradient
-        encoder(torch.zeros(1, n_ctx, dtype=torch.long), torch.ones(1, n_ctx, dtype=torch.bool)).sum().backward()
+        # freeze what embeddings do not use (lm head, a decoder): AdamW and DDP skip it
+        encoder(torch.zeros(1, n_ctx, dtype=torch.long),
+                torch.ones(1, n_ctx, dtype=torch.bool)).sum().backward()
         for p in encoder.parameters():
             p.requires_grad_(p.grad is not None)
             p.grad = None
         if rt.master:
+            trainable = sum(p.numel() for p in encoder.parameters() if p.requires_grad)
             print(f"InfoNCE ({cfg['negatives']} negatives, tau {TAU}) from {init_from}: "
-                  f"{sum(p.numel() for p in encoder.parameters() if p.requires_grad) / 1e6:.2f}M trainable "
-                  f"parameters, embed_pos {embed_pos}, {rt.describe()}")
+                  f"{trainable / 1e6:.2f}M trainable parameters, embed_pos {embed_pos}, "
+                  f"{rt.describe()}")
 
         def loss_fn(model, batch):
             idx, mask, labels = batch
-            e = model(idx, mask)                                   # (M, d_model): queries, then targets
+            e = model(idx, mask)                             # (M, d_model): queries, then targets
             q, t = e[:len(labels)], e[len(labels):]
-            if cfg['negatives'] == 'paper':                        # symmetric is False here
-                t = t.view(len(labels), -1, t.shape[-1])           # (B, 31, d_model): each query's group
+            if cfg['negatives'] == 'paper':                  # symmetric is False here
+                t = t.view(len(labels), -1, t.shape[-1])     # (B, 31, d_model): each query's group
             return info_nce(q, t, labels, symmetric=cfg['symmetric'])
 
         extra = {'kind': 'retrieval', 'model_config': src['model_config'], 'data': src['data'],
-                 'embed_pos': embed_pos, 'init_from': init_from, 'pairs_dir': os.path.abspath(cfg['data_dir'])}
+                 'embed_pos': embed_pos, 'init_from': init_from,
+                 'pairs_dir': os.path.abspath(cfg['data_dir'])}
         stats = train.fit(cfg, rt, encoder, get_batch, loss_fn, extra, resume)
     finally:
         rt.close()
     if stats['stopped'] == 'diverged':
         return 1
     if rt.master:
-        print(f"done: step {stats['step']}, val InfoNCE loss {stats['val_loss']:.4f}; evaluate with python retrieve.py "
-              f"eval --ckpt={cfg['out_dir']}/ckpt.pt --pairs={cfg['data_dir']}/pairs_val.jsonl")
+        print(f"done: step {stats['step']}, val InfoNCE loss {stats['val_loss']:.4f}; evaluate "
+              f"with python retrieve.py eval --ckpt={cfg['out_dir']}/ckpt.pt "
+              f"--pairs={cfg['data_dir']}/pairs_val.jsonl")
     return 0
 
 
@@ -375,47 +386,58 @@ def retrieval_metrics(q, t, ns=DEFAULT_NS, seed=0, chunk=512):
     targets (seeded) and its first n-2 are the negatives for n, so the candidate sets are nested
     and accuracy falls with n. A tie with a negative counts as a miss."""
     N, gen = q.shape[0], torch.Generator().manual_seed(seed)
-    hits = {n: 0 for n in ns}
-    rank = torch.empty(N, dtype=torch.long)
+    hits, rank = {n: 0 for n in ns}, torch.empty(N, dtype=torch.long)
     for a in range(0, N, chunk):
         rows = torch.arange(a, min(a + chunk, N))
         b = torch.arange(len(rows))
-        sim = q[rows] @ t.T                                            # (b, N) cosines
-        pos = sim[b, rows]                                             # (b,) the matches
-        rank[rows] = (sim >= pos[:, None]).sum(1)                      # 1 + targets scoring >= the match
+        sim = q[rows] @ t.T                                        # (b, N) cosines
+        pos = sim[b, rows]                                         # (b,) the matches
+        rank[rows] = (sim >= pos[:, None]).sum(1)                  # 1 + targets scoring >= match
         keys = torch.rand(len(rows), N, generator=gen)
-        keys[b, rows] = 2.0                                            # the match sorts last: never a negative
-        order = keys.argsort(dim=1)[:, :N - 1]                         # (b, N-1) random order of the others
-        best_neg = sim.gather(1, order).cummax(dim=1).values           # best of the first j+1 negatives
+        keys[b, rows] = 2.0                                        # the match sorts last
+        order = keys.argsort(dim=1)[:, :N - 1]                     # (b, N-1) the others, shuffled
+        best_neg = sim.gather(1, order).cummax(dim=1).values       # best of the first j+1
         for n in ns:
             hits[n] += int((pos > best_neg[:, n - 3]).sum())
     return {'top1': {str(n): round(100.0 * hits[n] / N, 2) for n in ns},
             'mrr@10': round(float(torch.where(rank <= 10, 1.0 / rank, 0.0).mean()), 4),
-            'recall@k': {str(k): round(100.0 * float((rank <= k).float().mean()), 2) for k in (1, 5, 10)},
+            'recall@k': {str(k): round(100.0 * float((rank <= k).float().mean()), 2)
+                         for k in (1, 5, 10)},
             'n_pairs': N}
 
 
 def capped(ns, key, n_pairs):
-    """--n or --c values (Table 1's counts), each capped at n_pairs + 1: the query and every target."""
+    """--n or --c values (Table 1's counts), each capped at n_pairs + 1: the query, every target."""
     top = n_pairs + 1
     if max(ns) > top:
-        print(f"note: only {n_pairs} pairs, so {key} is capped at {top} (the query and every target; "
-              f"asked for {','.join(str(n) for n in ns if n > top)})", file=sys.stderr)
+        print(f"note: only {n_pairs} pairs, so {key} is capped at {top} (the query and every "
+              f"target; asked for {','.join(str(n) for n in ns if n > top)})", file=sys.stderr)
     return sorted({min(n, top) for n in ns})
 
 
 def peer_embedder(name, device, batch_size):
-    """A sentence-transformers model (a hub name or a local folder) as texts -> unit rows (N, d):
-    a known retriever scored on the same pairs. The package is imported only here."""
+    """A sentence-transformers model (a folder or a hub name) as texts -> unit rows (N, d): a known
+    retriever scored on the same pairs. The optional package is imported only here."""
+    how = ("pass a model folder, --peer=PATH (README, Retrieval, installs all-MiniLM-L6-v2 "
+           "offline); sentence-transformers is optional, not in requirements.txt")
     try:
         from sentence_transformers import SentenceTransformer
     except ImportError:
-        raise ValueError("--peer needs sentence-transformers: pip install sentence-transformers "
-                         "(README, Retrieval, has an offline install of all-MiniLM-L6-v2)") from None
+        raise ValueError(f"--peer needs sentence-transformers: pip install sentence-transformers "
+                         f"or {how}") from None
+    hub, local = os.environ.get('HF_ENDPOINT', 'https://huggingface.co'), os.path.isdir(name)
+    try:   # the hub client retries an unreachable hub for a minute: look first, then cache only
+        if not (local or os.environ.get('HF_HUB_OFFLINE', '0').lower() in ('1', 'on', 'true')):
+            check_online(hub, '')
+        cache_only = {}
+    except ValueError:
+        cache_only = dict(local_files_only=True)
     try:
-        model = SentenceTransformer(name, device=str(device))
+        model = SentenceTransformer(name, device=str(device), **cache_only)
     except (OSError, ValueError) as e:
-        raise ValueError(f"--peer={name}: sentence-transformers could not load it ({str(e).splitlines()[0]})") from None
+        why = f"{hub} is out of reach" if cache_only else str(e).splitlines()[0]
+        raise ValueError(f"--peer={name}: sentence-transformers could not load it ({why}): "
+                         f"{how}") from None
     return lambda texts: F.normalize(torch.as_tensor(np.asarray(model.encode(
         texts, batch_size=batch_size, convert_to_numpy=True)), dtype=torch.float32), dim=-1)
 
@@ -427,9 +449,11 @@ def cmd_eval(cfg):
     ns, device, models, results = int_list(cfg['n'], 'n', low=3), train.resolve_device(cfg['device']), {}, {}
     if cfg['ckpt']:
         embedder = Embedder(cfg['ckpt'], device, cfg['dtype'], cfg['batch_size'], cfg['embed_pos'])
-        models[cfg['ckpt']] = embedder, f"embed_pos {embedder.encoder.embed_pos}, {str(embedder.dtype)[6:]}"
+        models[cfg['ckpt']] = embedder, (f"embed_pos {embedder.encoder.embed_pos}, "
+                                         f"{str(embedder.dtype)[6:]}")
     if cfg['peer']:
-        models[cfg['peer']] = peer_embedder(cfg['peer'], device, cfg['batch_size']), "sentence-transformers peer"
+        models[cfg['peer']] = (peer_embedder(cfg['peer'], device, cfg['batch_size']),
+                               "sentence-transformers peer")
     ns = capped(ns, 'n', len(queries))  # noted once the models have loaded
     for name, (embed, how) in models.items():
         t0 = time.perf_counter()
@@ -463,7 +487,8 @@ def algorithm1(q_emb, t_emb, match, c, generator=None):
 @torch.no_grad()
 def indirect_accuracy(model, q_emb, t_emb, c, seed, batch=256):
     """(mean cross-entropy, top-1 %) with every query of the split once, against c-1 candidates."""
-    gen, loss, hits, device = torch.Generator().manual_seed(seed), 0.0, 0, next(model.parameters()).device
+    gen, loss, hits = torch.Generator().manual_seed(seed), 0.0, 0
+    device = next(model.parameters()).device
     for a in range(0, len(q_emb), batch):
         x, labels, _ = algorithm1(q_emb, t_emb, torch.arange(a, min(a + batch, len(q_emb))), c, gen)
         logits, l = model(x.to(device), labels.to(device))
@@ -472,26 +497,40 @@ def indirect_accuracy(model, q_emb, t_emb, c, seed, batch=256):
     return loss / len(q_emb), 100.0 * hits / len(q_emb)
 
 
+class Labelled(io.TextIOBase):
+    """A stream that starts each line with a label: indirect's training logs say which c."""
+
+    def __init__(self, out, label):
+        self.out, self.label, self.fresh = out, label, True
+
+    def write(self, text):
+        for line in text.splitlines(keepends=True):
+            self.out.write(self.label * self.fresh + line)
+            self.fresh = line.endswith('\n')
+        return len(text)
+
+
 def cmd_indirect(cfg):
     """Frozen embeddings, a RetrievalMixer per c (paper §6.2): how much retrieval the pretrained
     embeddings carry, without changing the model that made them. The inputs are the raw hidden
     states at embed_pos, as the author's code feeds them (normalize=True: unit rows x sqrt(d))."""
     pairs = {s: read_pairs(os.path.join(cfg['data_dir'], f'pairs_{s}.jsonl')) for s in train.SPLITS}
     cs = capped(int_list(cfg['c'], 'c', low=3), 'c', min(len(pairs[s][0]) for s in pairs))
-    rt = train.setup_runtime(cfg)
+    rt, n_val = train.setup_runtime(cfg), len(pairs['val'][0])
     try:   # every output location, before any embedding or training, on every rank
-        outs = [os.path.join(cfg['out_dir'], f'c{c}') for c in cs]
+        outs = {c: os.path.join(cfg['out_dir'], f'c{c}') for c in cs}
         train.check_on_every_rank(rt, lambda: [check_out_dir(out, True, cfg['overwrite'],
-                                                             resumable=False) for out in outs])
+                                                             resumable=False) for out in outs.values()])
         embedder = Embedder(cfg['ckpt'], rt.device, cfg['dtype'], embed_pos=cfg['embed_pos'],
                             normalize=cfg['normalize'])
-        t0 = time.perf_counter()
+        embedder.progress, t0 = rt.master, time.perf_counter()
         # normalize: unit rows scaled to unit RMS per component, O(1) inputs whatever d_model
         scale = math.sqrt(embedder.d_model) if cfg['normalize'] else 1.0
         emb = {s: tuple(embedder(texts) * scale for texts in pairs[s]) for s in train.SPLITS}
         if rt.master:
-            print(f"embedded {sum(2 * len(pairs[s][0]) for s in pairs)} texts with {cfg['ckpt']} in "
-                  f"{time.perf_counter() - t0:.1f}s (frozen, embed_pos {embedder.encoder.embed_pos})")
+            print(f"embedded {sum(2 * len(pairs[s][0]) for s in pairs)} texts with {cfg['ckpt']} "
+                  f"in {time.perf_counter() - t0:.1f}s (frozen, embed_pos "
+                  f"{embedder.encoder.embed_pos})")
         results = {}
         for c in cs:
             def get_batch(split, step, micro, shard=0, shards=1, c=c):
@@ -501,39 +540,47 @@ def cmd_indirect(cfg):
                 match = torch.from_numpy(rng.integers(0, len(q_emb), cfg['batch_size']))
                 x, labels, rows = algorithm1(q_emb, t_emb, match, c, gen)
                 mine = slice(shard * len(x) // shards, (shard + 1) * len(x) // shards)
-                return rows[mine], x[mine], labels[mine]      # rows (B, c) count as the step's "tokens"
+                return rows[mine], x[mine], labels[mine]      # rows (B, c): the step's "tokens"
 
             torch.manual_seed(cfg['seed'])
             mixer = dict(d_model=embedder.d_model, n_layers=cfg['n_layers'], c=c)
             model = RetrievalMixer(**mixer)
-            extra = {'kind': 'indirect', 'retrieval_mixer': mixer,
+            extra = {'kind': 'indirect', 'retrieval_mixer': mixer, 'data': embedder.data,
                      'embedder': dict(ckpt=embedder.path, fingerprint=embedder.fingerprint,
                                       embed_pos=embedder.encoder.embed_pos,
-                                      normalize=cfg['normalize']),
-                     'data': embedder.data}
-            stats = train.fit(dict(cfg, out_dir=os.path.join(cfg['out_dir'], f'c{c}')), rt, model, get_batch,
-                              lambda m, b: m(b[1], b[2])[1], extra)
+                                      normalize=cfg['normalize'])}
+            with contextlib.redirect_stdout(Labelled(sys.stdout, f"c={c}: ")):
+                stats = train.fit(dict(cfg, out_dir=outs[c]), rt, model, get_batch,
+                                  lambda m, b: m(b[1], b[2])[1], extra)
             if stats['stopped'] == 'diverged':
                 return 1
             loss, top1 = indirect_accuracy(model.eval(), *emb['val'], c, cfg['seed'])
             results[str(c)] = dict(loss=round(loss, 4), top1=round(top1, 2), steps=stats['step'])
+            if rt.master:
+                print(f"c={c}: top-1 {top1:.1f}% (chance {100 / (c - 1):.1f}%), val loss "
+                      f"{loss:.3f}, {n_val} val queries each against c-1 targets")
     finally:
         rt.close()
-    if rt.master:
-        print(f"indirect retrieval, {len(pairs['val'][0])} val queries each against c-1 targets:")
-        print('c         ' + ''.join(f"{c:>8}" for c in results))
-        print('val loss  ' + ''.join(f"{r['loss']:8.3f}" for r in results.values()))
-        print('top-1 %   ' + ''.join(f"{r['top1']:8.1f}" for r in results.values()))
-        if cfg['json']:
-            write_json(cfg['json'], {'c': results, 'n_val': len(pairs['val'][0]), 'ckpt': embedder.path})
+    if rt.master and cfg['json']:
+        write_json(cfg['json'], {'c': results, 'n_val': n_val, 'ckpt': embedder.path})
     return 0
 
 
 # ----------------------------------------------------------------------------- index and search
 
+def read_text(path):
+    """A file's text, or None for a binary one (NUL bytes, or not UTF-8)."""
+    with open(path, 'rb') as f:
+        data = f.read()
+    try:
+        return None if b'\0' in data else data.decode('utf-8')
+    except UnicodeDecodeError:
+        return None
+
+
 def collect_documents(paths):
     """(source, text) for every document under paths: a folder's text files (recursively, hidden
-    entries and binary files skipped), a text file, or a .jsonl file's "text" (or "target") fields."""
+    entries and binary files skipped), a text file, or a .jsonl file's "text" (or "target")."""
     docs = []
     for path in paths:
         if os.path.isdir(path):
@@ -553,35 +600,30 @@ def collect_documents(paths):
     return docs
 
 
-def read_text(path):
-    """A file's text, or None for a binary one (NUL bytes, or not UTF-8)."""
-    with open(path, 'rb') as f:
-        data = f.read()
-    try:
-        return None if b'\0' in data else data.decode('utf-8')
-    except UnicodeDecodeError:
-        return None
-
-
 def cmd_index(cfg):
     index, manifest = cfg['index'], os.path.join(cfg['index'], 'manifest.json')
     if os.path.isfile(manifest) and not cfg['overwrite']:
         raise ValueError(f"--index={index} already holds an index: replace it with --overwrite, "
                          f"or pass a new --index folder")
     if os.path.isdir(index) and os.listdir(index) and not os.path.isfile(manifest):
-        raise ValueError(f"--index={index} is a folder of other files, not an index: pass a new or empty folder")
+        raise ValueError(f"--index={index} is a folder of other files, not an index: pass a new "
+                         f"or empty folder")
     check_out_dir(index, flag='index')
-    embedder = Embedder(cfg['ckpt'], cfg['device'], cfg['dtype'], cfg['batch_size'], cfg['embed_pos'])
+    embedder = Embedder(cfg['ckpt'], cfg['device'], cfg['dtype'], cfg['batch_size'],
+                        cfg['embed_pos'])
     docs = collect_documents([p for p in cfg['docs'].split(',') if p])
     if not docs:
         raise ValueError(f"no text documents found in --docs={cfg['docs']}")
-    tok, step = embedder.tok, embedder.n_ctx - 1                      # bos is added to each chunk
+    tok, step = embedder.tok, embedder.n_ctx - 1                  # bos is added to each chunk
     meta, seqs = [], []
     for source, text in docs:
         ids = tok.encode(text)
-        for a in range(0, max(len(ids), 1), step):
-            meta.append({'source': source, 'offset': a, 'text': tok.decode(ids[a:a + step])})
-            seqs.append([tok.bos_id] + ids[a:a + step])
+        starts = list(range(0, max(len(ids), 1), step))
+        if len(starts) > 1 and len(ids) - starts[-1] < cfg['min_chunk']:
+            starts.pop()   # a tiny tail, which cosines rank high, is shown with the chunk before it
+        for a, b in zip(starts, starts[1:] + [len(ids)]):
+            meta.append({'source': source, 'offset': a, 'text': tok.decode(ids[a:b])})
+            seqs.append([tok.bos_id] + ids[a:a + step])          # a chunk's embedding: its window
     t0 = time.perf_counter()
     emb = embedder.embed_tokens(seqs).numpy()
     dt = time.perf_counter() - t0
@@ -596,11 +638,11 @@ def cmd_index(cfg):
     write_json(manifest, {'ckpt': embedder.path, 'fingerprint': embedder.fingerprint,
                           'embed_pos': embedder.encoder.embed_pos, 'n_ctx': embedder.n_ctx,
                           'n_chunks': len(meta), 'n_documents': len(docs), **files})
-    for name in os.listdir(index):                                     # the previous build's files
+    for name in os.listdir(index):                                 # the previous build's files
         if name.startswith(('embeddings.', 'chunks.')) and name not in files.values():
             os.remove(os.path.join(index, name))
-    print(f"indexed {len(docs)} documents as {len(meta)} chunks of <= {embedder.n_ctx} tokens in {index} "
-          f"({dt:.1f}s, {len(seqs) / dt:.0f} chunks/s)")
+    print(f"indexed {len(docs)} documents as {len(meta)} chunks of <= {embedder.n_ctx} tokens in "
+          f"{index} ({dt:.1f}s, {len(seqs) / dt:.0f} chunks/s)")
     return 0
 
 
@@ -608,52 +650,44 @@ def cmd_index(cfg):
 MANIFEST = dict(embeddings=str, chunks=str, n_chunks=int, ckpt=str, embed_pos=int, fingerprint=str)
 
 
-def rebuild_index(index):
-    return (f"rebuild the index with python retrieve.py index --ckpt=CKPT --docs=PATH "
-            f"--index={index} --overwrite")
-
-
-def read_manifest(path):
-    """An index's manifest.json as a dict; unreadable JSON or a missing/mistyped field is an error
-    naming the file and how to rebuild the index."""
-    fix = rebuild_index(os.path.dirname(path))
-    try:
-        manifest = json.loads(read_text_file(path, 'index manifest'))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"index manifest {path} is not valid JSON ({e}): {fix}") from None
-    if not isinstance(manifest, dict):
-        raise ValueError(f"index manifest {path} is not a JSON object: {fix}")
-    for key, kind in MANIFEST.items():
-        if not isinstance(manifest.get(key), kind) or isinstance(manifest[key], bool):
-            raise ValueError(f"index manifest {path} has no {kind.__name__} field {key!r}: {fix}")
-    return manifest
+def open_index(index):
+    """An index's manifest (dict), embeddings (N, d) float32 and chunks (N dicts); a missing or
+    damaged file is an error naming it and the command that rebuilds the index."""
+    culprit, build = os.path.join(index, 'manifest.json'), (f"python retrieve.py index "
+                                                            f"--ckpt=CKPT --docs=PATH --index={index}")
+    if not os.path.isfile(culprit):
+        raise FileNotFoundError(f"no index at {index}: build one with {build}")
+    try:   # the manifest's JSON and fields, then a data file deleted or cut short
+        manifest = json.loads(read_text_file(culprit, 'index manifest'))
+        if not isinstance(manifest, dict):
+            raise ValueError("not a JSON object")
+        for key, kind in MANIFEST.items():
+            if not isinstance(manifest.get(key), kind) or isinstance(manifest[key], bool):
+                raise ValueError(f"no {kind.__name__} field {key!r}")
+        culprit = os.path.join(index, manifest['embeddings'])
+        emb = torch.from_numpy(np.load(culprit))
+        culprit = os.path.join(index, manifest['chunks'])
+        chunks = [row for _, row in read_jsonl(culprit)]
+        if not len(emb) == len(chunks) == manifest['n_chunks']:
+            raise ValueError("embeddings and chunks disagree")
+    except (OSError, ValueError, EOFError) as e:
+        raise ValueError(f"index file {culprit} cannot be read ({e}): rebuild the index with "
+                         f"{build} --overwrite") from None
+    return manifest, emb, chunks
 
 
 def cmd_search(cfg):
     if not cfg['query'].strip():
         raise ValueError("empty query: pass the text to look for, e.g. --query=\"open a file\"")
-    index, path = cfg['index'], os.path.join(cfg['index'], 'manifest.json')
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no index at {index}: build one with python retrieve.py index "
-                                f"--ckpt=CKPT --docs=PATH --index={index}")
-    manifest, rebuild = read_manifest(path), rebuild_index(index)
-    emb_path, chunks_path = (os.path.join(index, manifest[k]) for k in ('embeddings', 'chunks'))
-    try:   # a data file deleted or cut short
-        emb = torch.from_numpy(np.load(emb_path))                     # (N, d) float32
-    except (OSError, ValueError, EOFError) as e:
-        raise ValueError(f"index data {emb_path} cannot be read ({e}): {rebuild}") from None
-    try:
-        chunks = [row for _, row in read_jsonl(chunks_path)]
-    except (OSError, ValueError) as e:
-        raise ValueError(f"index data {chunks_path} cannot be read ({e}): {rebuild}") from None
-    if not len(emb) == len(chunks) == manifest['n_chunks']:
-        raise ValueError(f"index {index} is incomplete (embeddings and chunks disagree): {rebuild}")
-    embedder = Embedder(cfg['ckpt'] or manifest['ckpt'], cfg['device'], cfg['dtype'], embed_pos=manifest['embed_pos'])
+    manifest, emb, chunks = open_index(cfg['index'])
+    embedder = Embedder(cfg['ckpt'] or manifest['ckpt'], cfg['device'], cfg['dtype'],
+                        embed_pos=manifest['embed_pos'])
     if embedder.fingerprint != manifest['fingerprint']:
-        raise ValueError(f"index {index} was built with other weights ({manifest['ckpt']}, fingerprint "
-                         f"{manifest['fingerprint']}) than {embedder.path} ({embedder.fingerprint}): rebuild it "
-                         f"with python retrieve.py index --ckpt={embedder.path} ...")
-    top = (emb @ embedder([cfg['query']])[0]).topk(min(cfg['k'], len(chunks)))   # the best cosines
+        raise ValueError(f"index {cfg['index']} was built with other weights ({manifest['ckpt']}, "
+                         f"fingerprint {manifest['fingerprint']}) than {embedder.path} "
+                         f"({embedder.fingerprint}): rebuild it with python retrieve.py index "
+                         f"--ckpt={embedder.path} ...")
+    top = (emb @ embedder([cfg['query']])[0]).topk(min(cfg['k'], len(chunks)))  # the best cosines
     for rank, (s, i) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
         c = chunks[i]
         print(f"{rank}. {s:.3f}  {c['source']} @ token {c['offset']}")
@@ -667,10 +701,11 @@ COMMANDS = {
     'train': (cmd_train, TRAIN, ('init_from=out/ckpt.pt',)),
     'eval': (cmd_eval, EVAL, ('pairs=data/pystdlib/pairs_val.jsonl',)),
     'indirect': (cmd_indirect, INDIRECT, ('ckpt=out/ckpt.pt',)),
-    'index': (cmd_index, INDEX, ('ckpt=out-retrieval/ckpt.pt', 'docs=src/,notes.txt', 'index=my-index')),
-    'search': (cmd_search, SEARCH, ('index=my-index',)),
+    'index': (cmd_index, INDEX, ('ckpt=out-retrieval/ckpt.pt', 'docs=src/,notes.txt')),
+    'search': (cmd_search, SEARCH, ('query="parse an ISO date"',)),
 }
-CHOICES = dict(negatives=('inbatch', 'paper'), dtype=train.CHOICES['dtype'], schedule=train.CHOICES['schedule'])
+CHOICES = dict(negatives=('inbatch', 'paper'), dtype=train.CHOICES['dtype'],
+               schedule=train.CHOICES['schedule'])
 
 
 def run(argv):
@@ -681,10 +716,12 @@ def run(argv):
     if argv[0] not in COMMANDS:
         raise ValueError(f"unknown subcommand {argv[0]!r}: use one of {', '.join(COMMANDS)}")
     command, defaults, required = COMMANDS[argv[0]]
-    cfg = parse_args(argv[1:], defaults, {k: v for k, v in CHOICES.items() if k in defaults}, __doc__)
+    cfg = parse_args(argv[1:], defaults, {k: v for k, v in CHOICES.items() if k in defaults},
+                     __doc__)
     for example in required:
         if not cfg[example.split('=')[0]]:
-            raise ValueError(f"retrieve.py {argv[0]} needs --{example} (see python retrieve.py {argv[0]} --help)")
+            raise ValueError(f"retrieve.py {argv[0]} needs --{example} (see python retrieve.py "
+                             f"{argv[0]} --help)")
     if cfg.get('json'):  # before the work that fills it
         check_output_file(cfg['json'], 'json')
     return command(cfg)

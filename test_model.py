@@ -1712,7 +1712,7 @@ def test_eval_random_scores_are_one_in_n_minus_one():
 class FakeSentenceTransformer:
     """sentence-transformers' interface (constructor, encode) over a bag of letters: a stand-in peer."""
 
-    def __init__(self, name, device='cpu'):
+    def __init__(self, name, device='cpu', local_files_only=False):
         if name == 'missing':
             raise OSError("missing is not a local folder and not a model on the hub\nmore")
 
