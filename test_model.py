@@ -2453,3 +2453,96 @@ def test_cuda_sample_and_bench(trained, capsys):
     assert 0 < rows[0]['mb'] < rows[1]['mb']
     rows = bench.main(['generate', *gpu, '--n_ctx=64', '--prompt=16', '--new_tokens=8', '--batch_size=1,4'])
     assert len(rows) == 3 * 3 and all(r['tokens_per_s'] > 0 and r['fraction'] > 0 for r in rows)
+
+
+# ---- i24-retrieve
+
+import fnmatch, importlib.util  # noqa: E402 (this block's own)
+
+
+def test_index_joins_a_short_last_chunk_to_its_neighbour(corpus, capsys, tmp_path):
+    """A document's last chunk of a few tokens (which cosines rank first) joins the chunk before
+    it, whose embedding still reads its own window; --min_chunk=0 keeps every window apart."""
+    tok, words = Tokenizer.from_dir(str(corpus.data)), PAIR_WORDS * 8
+    for end in range(40, len(words)):          # 31 tokens a chunk (n_ctx 32 less bos); tail 1-3
+        text = ' '.join(words[:end]) + '\n'
+        if len(tok.encode(text)) > 62 and 1 <= len(tok.encode(text)) % 31 <= 3:
+            break
+    n = len(tok.encode(text))
+    (tmp_path / 'docs').mkdir()
+    (tmp_path / 'docs/long.txt').write_text(text)
+    for min_chunk, offsets in ((16, list(range(0, n - n % 31, 31))), (0, list(range(0, n, 31)))):
+        argv = [f'--ckpt={corpus.mixer}', f'--docs={tmp_path}/docs', f'--index={tmp_path}/i',
+                f'--min_chunk={min_chunk}', '--overwrite', '--dtype=float32']
+        assert run_main(capsys, 'retrieve', 'index', *argv)[0] == 0
+        manifest = json.loads((tmp_path / 'i/manifest.json').read_text())
+        chunks = [json.loads(line) for line in (tmp_path / 'i' / manifest['chunks']).open()]
+        assert [c['offset'] for c in chunks] == offsets, (n, min_chunk)
+        assert tok.decode(tok.encode(text)[-(n % 31):]).strip() in chunks[-1]['text']
+
+
+def test_indirect_shows_progress_and_labels_each_c(corpus, capsys, tmp_path, monkeypatch):
+    """Embedding reports progress on stderr; each c's training and result lines say which c."""
+    monkeypatch.setattr(retrieve, 'PROGRESS_S', 0.0)      # a line per batch, not per 5 s
+    code, out, err = run_main(capsys, 'retrieve', 'indirect', f'--ckpt={corpus.mixer}',
+                              f'--data_dir={corpus.data}', f'--out_dir={tmp_path}/ind', '--c=4,8',
+                              '--n_layers=1', '--max_iters=2', '--eval_interval=2',
+                              '--eval_iters=1', '--log_interval=1', '--batch_size=8')
+    assert code == 0, err
+    assert 'embedding: 32/160 texts' in err and 'embedding: 32/48 texts' in err
+    steps = [line for line in out.splitlines() if 'step ' in line]
+    for c in (4, 8):
+        assert sum(line.startswith(f'c={c}: step ') for line in steps) >= 3, out
+        assert re.search(rf'^c={c}: top-1 [\d.]+%', out, re.M), out
+    assert all(line.startswith(('c=4: ', 'c=8: ')) for line in steps), out
+
+
+class HubOnlyPeer:
+    """A sentence-transformers stand-in whose model is on the hub only, never in the cache."""
+    calls = []
+
+    def __init__(self, name, device='cpu', local_files_only=False):
+        HubOnlyPeer.calls.append(local_files_only)
+        raise OSError(f"{name} is not in the cache" if local_files_only else
+                      "the hub client retried for 75 s")
+
+
+def test_peer_by_name_fails_fast_without_the_hub(corpus, capsys, monkeypatch):
+    """A hub name with the hub out of reach (a closed port) reads the cache only and says to pass
+    a folder, with sentence-transformers named as optional; so does the package missing."""
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        dead = f'http://127.0.0.1:{s.getsockname()[1]}'  # closed once the block ends
+    installed = importlib.util.find_spec('sentence_transformers') is not None
+    monkeypatch.setenv('HF_ENDPOINT', dead)
+    monkeypatch.delenv('HF_HUB_OFFLINE', raising=False)
+    monkeypatch.setitem(sys.modules, 'sentence_transformers',
+                        types.SimpleNamespace(SentenceTransformer=HubOnlyPeer))
+    HubOnlyPeer.calls.clear()
+    argv = ['eval', '--peer=all-MiniLM-L6-v2', f'--pairs={corpus.data}/pairs_val.jsonl', '--n=8']
+    refused(capsys, 'retrieve', argv, '--peer=PATH')
+    assert HubOnlyPeer.calls == [True]                    # never asked to reach the hub
+    _, _, err = run_main(capsys, 'retrieve', *argv)
+    assert dead in err and 'sentence-transformers is optional' in err
+    if installed:
+        monkeypatch.setitem(sys.modules, 'sentence_transformers', None)   # as if not installed
+    else:
+        monkeypatch.delitem(sys.modules, 'sentence_transformers')         # this machine's case
+    refused(capsys, 'retrieve', argv, 'pip install sentence-transformers')
+    assert 'optional' in run_main(capsys, 'retrieve', *argv)[2]
+
+
+def test_index_and_search_default_under_an_ignored_folder(corpus, capsys, tmp_path, monkeypatch):
+    """index and search need no --index: it defaults under out/, which git ignores, as do the
+    runs' out_dirs and a downloaded peer's models/ folder."""
+    ignored = [p.strip() for p in open(os.path.join(os.path.dirname(__file__), '.gitignore'))]
+    for folder in (retrieve.INDEX['index'], retrieve.TRAIN['out_dir'],
+                   retrieve.INDIRECT['out_dir'], 'models'):
+        top = folder.split('/')[0] + '/'
+        assert any(fnmatch.fnmatch(top, p.lstrip('/')) for p in ignored), folder
+    monkeypatch.chdir(tmp_path)
+    assert run_main(capsys, 'retrieve', 'index', f'--ckpt={corpus.mixer}',
+                    f'--docs={corpus.data}/pairs_val.jsonl')[0] == 0
+    assert (tmp_path / 'out/index/manifest.json').is_file()
+    code, out, err = run_main(capsys, 'retrieve', 'search', '--query=sort the load', '--k=2')
+    assert code == 0 and out.startswith('1. '), err
