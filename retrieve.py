@@ -223,7 +223,7 @@ class Embedder:
         h, weights = hashlib.sha256(), ckpt['model']  # an index knows which weights embedded it
         for name in sorted(weights):
             h.update(name.encode())
-            h.update(weights[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            h.update(weights[name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
         self.path, self.fingerprint = os.path.abspath(ckpt_path), h.hexdigest()[:16]
         self.device = train.resolve_device(str(device))
         self.dtype, _ = train.reading_dtype(self.device, dtype, ckpt.get('dtype'))  # not emulated
@@ -298,8 +298,8 @@ class PairBatches:
             path = os.path.join(cfg['data_dir'], f'pairs_{split}.jsonl')
             queries, targets = read_pairs(path)
             if len(queries) < need:
-                raise ValueError(f"{path} holds {len(queries)} pairs, fewer than the {need} a batch "
-                                 f"needs (negatives={cfg['negatives']}): lower --batch_size")
+                raise ValueError(f"{path} holds {len(queries)} pairs, fewer than the {need} a "
+                                 f"batch needs (negatives={cfg['negatives']}): lower --batch_size")
             self.pairs[split] = tuple([tok.encode(t, bos=True) for t in texts]
                                       for texts in (queries, targets))
 
@@ -322,7 +322,7 @@ class PairBatches:
 
 
 def cmd_train(cfg):
-    """InfoNCE fine-tuning (paper §6.3) through train.py's loop: DDP, AMP, budgets, exact resume."""
+    """InfoNCE fine-tuning (paper §6.3) on train.py's loop: DDP, AMP, budgets, exact resume."""
     if cfg['symmetric'] and cfg['negatives'] != 'inbatch':
         raise ValueError("--symmetric=True needs --negatives=inbatch (a paper group has one query)")
     resume = None
@@ -446,7 +446,8 @@ def cmd_eval(cfg):
     if not (cfg['ckpt'] or cfg['peer']):
         raise ValueError("nothing to evaluate: pass --ckpt=CKPT and/or --peer=NAME_OR_PATH")
     queries, targets = read_pairs(cfg['pairs'])
-    ns, device, models, results = int_list(cfg['n'], 'n', low=3), train.resolve_device(cfg['device']), {}, {}
+    ns, device = int_list(cfg['n'], 'n', low=3), train.resolve_device(cfg['device'])
+    models, results = {}, {}
     if cfg['ckpt']:
         embedder = Embedder(cfg['ckpt'], device, cfg['dtype'], cfg['batch_size'], cfg['embed_pos'])
         models[cfg['ckpt']] = embedder, (f"embed_pos {embedder.encoder.embed_pos}, "
@@ -460,8 +461,9 @@ def cmd_eval(cfg):
         q, t = embed(queries), embed(targets)
         t1 = time.perf_counter()
         m = results[name] = retrieval_metrics(q, t, ns, cfg['seed'])
-        print(f"{name}: {len(queries)} pairs from {cfg['pairs']}, {how}; embedding {t1 - t0:.1f}s "
-              f"({2 * len(queries) / (t1 - t0):.0f} seq/s), ranking {time.perf_counter() - t1:.2f}s")
+        print(f"{name}: {len(queries)} pairs from {cfg['pairs']}, {how}; embedding "
+              f"{t1 - t0:.1f}s ({2 * len(queries) / (t1 - t0):.0f} seq/s), ranking "
+              f"{time.perf_counter() - t1:.2f}s")
         print('n      ' + ''.join(f"{n:>8}" for n in m['top1']))
         print('top-1% ' + ''.join(f"{v:8.1f}" for v in m['top1'].values()))
         r = m['recall@k']
@@ -519,8 +521,8 @@ def cmd_indirect(cfg):
     rt, n_val = train.setup_runtime(cfg), len(pairs['val'][0])
     try:   # every output location, before any embedding or training, on every rank
         outs = {c: os.path.join(cfg['out_dir'], f'c{c}') for c in cs}
-        train.check_on_every_rank(rt, lambda: [check_out_dir(out, True, cfg['overwrite'],
-                                                             resumable=False) for out in outs.values()])
+        train.check_on_every_rank(rt, lambda: [check_out_dir(out, True, cfg['overwrite'], 'out_dir',
+                                                             False) for out in outs.values()])
         embedder = Embedder(cfg['ckpt'], rt.device, cfg['dtype'], embed_pos=cfg['embed_pos'],
                             normalize=cfg['normalize'])
         embedder.progress, t0 = rt.master, time.perf_counter()
@@ -653,8 +655,8 @@ MANIFEST = dict(embeddings=str, chunks=str, n_chunks=int, ckpt=str, embed_pos=in
 def open_index(index):
     """An index's manifest (dict), embeddings (N, d) float32 and chunks (N dicts); a missing or
     damaged file is an error naming it and the command that rebuilds the index."""
-    culprit, build = os.path.join(index, 'manifest.json'), (f"python retrieve.py index "
-                                                            f"--ckpt=CKPT --docs=PATH --index={index}")
+    culprit = os.path.join(index, 'manifest.json')
+    build = f"python retrieve.py index --ckpt=CKPT --docs=PATH --index={index}"
     if not os.path.isfile(culprit):
         raise FileNotFoundError(f"no index at {index}: build one with {build}")
     try:   # the manifest's JSON and fields, then a data file deleted or cut short
@@ -728,8 +730,8 @@ def run(argv):
 
 
 def main(argv=None):
-    return run_main(lambda: run(argv),
-                    "interrupted: finished outputs are whole (train: continue with --init_from=resume)")
+    return run_main(lambda: run(argv), "interrupted: finished outputs are whole "
+                                       "(train: continue with --init_from=resume)")
 
 
 if __name__ == '__main__':
