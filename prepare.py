@@ -22,6 +22,240 @@ import numpy as np
 import sentencepiece as spm
 from tqdm import tqdm
 
+# ------------------------------------------------------------------------ command lines and files
+# Every script's command line and file safety; it knows no script's keys (each checks its own).
+
+def parse_args(argv, defaults, choices=None, doc=None, positional=None, modes=None):
+    """nanoGPT's configurator: defaults, then presets (bare words) and --key=value in argv order,
+    each typed like its default. A leading bare word sets `positional` (a script's mode), whose own
+    defaults `modes[mode]` then apply. --help prints doc and every key with its comment."""
+    cfg, args = dict(defaults), list(sys.argv[1:] if argv is None else argv)
+    if positional and args and not args[0].startswith('-') and not args[0].endswith('.py'):
+        defaults = dict(defaults, **(modes or {}).get(args[0], {}))
+        cfg = dict(defaults, **{positional: args.pop(0)})
+    while args:
+        arg = args.pop(0)
+        if arg in ('-h', '--help'):
+            script = sys._getframe(1).f_globals.get('__file__') or __file__  # (the caller's file)
+            print(doc or sys.modules['__main__'].__doc__, help_text(defaults, script), sep='\n')
+            raise SystemExit(0)
+        if not arg.startswith('--'):
+            cfg.update({k: typed(k, v, defaults, arg) for k, v in read_preset(arg, cfg).items()})
+            continue
+        key, eq, value = arg[2:].partition('=')
+        key = key.replace('-', '_')
+        if not eq:  # --key value, or a bare --flag for booleans
+            if isinstance(defaults.get(key), bool) and (not args or args[0].startswith('--')):
+                value = 'true'
+            elif args and not args[0].startswith('--'):
+                value = args.pop(0)
+            else:
+                raise ValueError(f"--{key} needs a value: write --{key}=VALUE")
+        cfg[key] = typed(key, value, defaults, 'the command line')
+    for key, allowed in (choices or {}).items():
+        if cfg[key] not in allowed:
+            raise ValueError(f"--{key}={cfg[key]!r} is invalid: use one of {', '.join(allowed)}")
+    return cfg
+
+
+def help_text(defaults, script):
+    """`--key=default  comment` per key, the comment beside `key=value` (or `key: type = value`)
+    in script's source, else in those of the modules it imports from this folder; a line whose
+    value is this default first (a mode's sizes over another mode's)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    files = [os.path.abspath(script)] + [os.path.join(here, f'{m}.py') for m in re.findall(
+        r'^(?:from|import) (\w+)', Path(script).read_text(encoding='utf-8'), re.M)]
+    notes = collections.defaultdict(list)  # key: [(its value's text, comment), ...] in files' order
+    for path in filter(os.path.isfile, files):
+        keys = []
+        for line in Path(path).read_text(encoding='utf-8').splitlines():
+            code, _, note = line.partition('# ')
+            code = re.sub(r'(\w+)\s*:\s*\w+\s*=\s*', r'\1=', code).replace(' ', '')
+            if code:
+                pairs = re.findall(r'(?:^|[(,])(\w+)=(?!=)(.+?)(?=,\w+=|[,)]*$)', code)
+                for key, text in pairs:
+                    notes[key].append((text, note.strip()))
+                keys = [key for key, _ in pairs] if note else []
+            elif note and keys:  # the comment goes on on the next line
+                for key in keys:
+                    notes[key][-1] = (notes[key][-1][0], f'{notes[key][-1][1]} {note.strip()}')
+            else:
+                keys = []
+    lines = ['keys and defaults:']
+    for key, value in defaults.items():
+        found = [n for t, n in notes.get(key, []) if same(t, value)] + [n for _, n in notes[key]]
+        lines.append(f'  --{key}={value!r}'.ljust(30) + '  ' + (found or [''])[0])
+    return '\n'.join(line.rstrip() for line in lines)
+
+
+def same(text, value):
+    """Whether a default's source text (5e-4, 'out') spells this value."""
+    try:
+        return text == repr(value) or float(text) == value
+    except ValueError:
+        return False
+
+
+def int_list(text, key, low=1):
+    """--key=32,64,128 -> [32, 64, 128], each >= low."""
+    try:
+        values = [int(v) for v in str(text).split(',') if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < low:
+        raise ValueError(f"--{key}={text!r}: give comma-separated integers >= {low}")
+    return values
+
+
+def read_preset(path, cfg):
+    """A preset's `key = value` lines as a dict; values may use earlier keys (n_ctx * 2)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no preset file {path}: see config/ for the presets")
+    try:
+        tree = ast.parse(read_text_file(path, 'preset'), path)
+    except SyntaxError as e:
+        raise ValueError(f"{path}:{e.lineno}: {e.msg}") from None
+    scope, out = dict(cfg), {}
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # docstring
+        target = node.targets[0] if isinstance(node, ast.Assign) else None
+        if len(getattr(node, 'targets', ())) != 1 or not isinstance(target, ast.Name):
+            raise ValueError(f"{path}:{node.lineno}: presets hold only `key = value` lines")
+        try:
+            expr = compile(ast.Expression(node.value), path, 'eval')
+            value = eval(expr, {'__builtins__': {}}, scope)
+        except Exception as e:
+            raise ValueError(f"{path}:{node.lineno}: {type(e).__name__}: {e}") from None
+        scope[target.id] = out[target.id] = value
+    return out
+
+
+def typed(key, value, defaults, source):
+    """value (a str from the command line, a Python value from a preset) as the default's type."""
+    if key not in defaults:
+        close = difflib.get_close_matches(key, defaults, n=3)
+        hint = f"did you mean {', '.join('--' + c for c in close)}?" if close else "see --help"
+        raise ValueError(f"unknown key --{key} in {source}: {hint}")
+    if defaults[key] is None and (value is None or str(value).lower() in ('auto', 'none')):
+        return None  # a None default is an optional bool: auto (None) lets the script choose
+    kind = bool if defaults[key] is None else type(defaults[key])
+    if isinstance(value, str) and kind is not str:
+        words = {'true': True, '1': True, 'yes': True, 'false': False, '0': False, 'no': False}
+        try:
+            value = words[value.lower()] if kind is bool else kind(value)
+        except (KeyError, ValueError):
+            hint = "true, false, auto" if defaults[key] is None else f"default {defaults[key]!r}"
+            raise ValueError(f"--{key}={value!r} is not a valid {kind.__name__} ({hint})") from None
+    if kind is float and type(value) in (int, float):
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"--{key}={value!r} in {source} is not a finite number")
+    if type(value) is not kind:
+        raise ValueError(f"{key}={value!r} in {source} should be a {kind.__name__} "
+                         f"like {defaults[key]!r}")
+    if kind is int and not -2 ** 63 <= value < 2 ** 63:  # torch and numpy take 64-bit integers
+        raise ValueError(f"--{key}={value} in {source} is out of range: use a value below 2**63")
+    return value
+
+
+def read_text_file(path, what):
+    """A UTF-8 text file's contents; a missing or non-UTF-8 file is a one-line error naming it."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{what} {path} not found")
+    data = Path(path).read_bytes()
+    try:
+        return data.decode('utf-8')
+    except UnicodeDecodeError as e:
+        byte = f"byte {e.start} is {data[e.start]:#04x}"
+        raise ValueError(f"{what} {path} is not UTF-8 text ({byte}): save it as UTF-8, "
+                         f"e.g. iconv -f latin1 -t utf-8") from None
+
+
+def write_atomic(path, data):
+    """str, bytes or what data(f) writes, to a temp file renamed into place: a crash leaves the
+    old file whole."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, 'wb') as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+RUN_FILES = ('ckpt.pt', 'best.pt', 'log.jsonl')  # what makes an out_dir hold a training run
+
+
+def check_out_dir(out_dir, fresh=False, overwrite=False, flag='out_dir', resumable=True):
+    """Fail before any work if out_dir is not writable, or if a fresh run would replace its run
+    unasked (--overwrite)."""
+    held = [f for f in RUN_FILES if os.path.isfile(os.path.join(out_dir, f))]
+    writer = int(os.environ.get('RANK', 0)) == 0  # DDP: rank 0 writes; the others may look later
+    if fresh and held and not overwrite and writer:
+        resume = "continue it with --init_from=resume, " if resumable else ""
+        raise ValueError(f"out_dir {out_dir} already holds a run ({', '.join(held)}): {resume}"
+                         f"replace it with --overwrite, or pass a new --out_dir")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        check_output_file(os.path.join(out_dir, 'probe'), flag)
+    except OSError as e:
+        raise ValueError(f"cannot write to {flag} {out_dir} ({e.strerror or e}): "
+                         f"pass a writable --{flag}") from None
+
+
+def check_output_file(path, flag):
+    """Fail before the work that fills an output file, not after it, if it cannot be written."""
+    if os.path.isdir(path):
+        raise ValueError(f"--{flag}={path} is a folder: name a file")
+    probe = f"{path}.tmp{os.getpid()}"
+    try:
+        open(probe, 'w').close()
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"cannot write --{flag}={path} ({e.strerror or e}): "
+                         f"name a file in a writable folder") from None
+
+
+def remove_leftovers(out_dir, fresh):
+    """Delete killed runs' temp files (NAME.tmpPID, the process gone) and, if fresh, the old run."""
+    for name in os.listdir(out_dir):
+        _, tmp, pid = name.rpartition('.tmp')
+        if tmp and pid.isdigit() and not pid_alive(int(pid)) or fresh and name in RUN_FILES:
+            os.remove(os.path.join(out_dir, name))
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError as e:  # PermissionError: alive, but another user's
+        return not isinstance(e, ProcessLookupError)
+
+
+def run_main(body, interrupted='interrupted'):
+    """Every script's main(): bad input prints one `error: ...` line and returns 2, Ctrl-C returns
+    130 with `interrupted` (what survives and how to go on), --help returns 0."""
+    try:
+        return body() or 0
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return e.code or 0
+    except KeyboardInterrupt:
+        print(interrupted, file=sys.stderr)
+        return 130
+
+
+# ----------------------------------------------------------------------------- corpora
+
 FORMAT = 1                   # bump when outputs change meaning, so older folders are rebuilt
 TOKENIZER_SAMPLE = 32 << 20  # bytes of training text the BPE tokenizer learns from (about 5 s)
 JOB_DOCS = 64                # documents per encoding job
@@ -455,207 +689,6 @@ def encode(args, documents, total, spec, dtype, pairs):
     return counts, {'files': len(files), 'file_list_sha256': file_list, 'content_sha256': content.hexdigest()}
 
 
-# ----------------------------------------------------------------------------- command lines and files (every script)
-
-# the smallest value of each numeric key that has one (keys a script lacks, or holds as a comma list
-# like bench.py's --n_ctx=128,256, are skipped); lr must be > 0
-LOWEST = dict(batch_size=1, grad_accum=1, warmup_iters=0, max_iters=0, max_time=0.0, eval_interval=1, eval_iters=1,
-              log_interval=1, min_lr=0.0, weight_decay=0.0, grad_clip=0.0, seed=0, n_ctx=2, n_layers=1, d_model=1,
-              vocab_size=0, max_docs=0, max_tokens=0, k=1, show=0, warmup=0, repeats=1, mem_limit=0, prompt=1,
-              new_tokens=1, steps=1)
-
-
-def parse_args(argv, defaults, choices=None, doc=None, positional=None):
-    """Every script's command line (nanoGPT's): defaults, then each preset file and --key=value in argv order,
-    typed like the default. A leading bare word sets the key `positional` names (bench.py's mode, retrieve.py's
-    command, prepare.py's dataset); other bare words are presets. --help prints doc and the keys."""
-    cfg = dict(defaults)
-    args = list(sys.argv[1:] if argv is None else argv)
-    if positional and args and not args[0].startswith('-') and not args[0].endswith('.py'):
-        cfg[positional] = args.pop(0)
-    while args:
-        arg = args.pop(0)
-        if arg in ('-h', '--help'):
-            print(doc or sys.modules['__main__'].__doc__ or '')
-            print('keys and defaults:\n' + '\n'.join(f'  --{k}={v!r}' for k, v in defaults.items()))
-            raise SystemExit(0)
-        if not arg.startswith('--'):
-            for key, value in read_preset(arg, cfg).items():
-                cfg[key] = typed(key, value, defaults, arg)
-            continue
-        key, eq, value = arg[2:].partition('=')
-        key = key.replace('-', '_')
-        if not eq:  # --key value, or a bare --flag for booleans
-            if isinstance(defaults.get(key), bool) and (not args or args[0].startswith('--')):
-                value = 'true'
-            elif args and not args[0].startswith('--'):
-                value = args.pop(0)
-            else:
-                raise ValueError(f"--{key} needs a value: write --{key}=VALUE")
-        cfg[key] = typed(key, value, defaults, 'the command line')
-    for key, allowed in (choices or {}).items():
-        if cfg[key] not in allowed:
-            raise ValueError(f"--{key}={cfg[key]!r} is invalid: use one of {', '.join(allowed)}")
-    for key, low in LOWEST.items():
-        if isinstance(cfg.get(key), (int, float)) and not low <= cfg[key] < 2 ** 63:
-            below = " (and < 2**63)" * (cfg[key] > 0)
-            raise ValueError(f"--{key}={cfg[key]!r} is out of range: use a value >= {low}{below}")
-    if 'lr' in cfg and not 0 < cfg['lr'] >= cfg.get('min_lr', 0):
-        raise ValueError(f"--lr={cfg['lr']!r} must be > 0 and >= --min_lr={cfg.get('min_lr')!r}")
-    return cfg
-
-
-def int_list(text, key, low=1):
-    """--key=32,64,128 -> [32, 64, 128], each >= low (lists on the command line)."""
-    try:
-        values = [int(v) for v in str(text).split(',') if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < low:
-        raise ValueError(f"--{key}={text!r}: give comma-separated integers >= {low}")
-    return values
-
-
-def read_preset(path, cfg):
-    """A preset's `key = value` lines as a dict; values may use earlier keys (n_ctx * 2)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no preset file {path}: see config/ for the presets")
-    try:
-        tree = ast.parse(read_text_file(path, 'preset'), path)
-    except SyntaxError as e:
-        raise ValueError(f"{path}:{e.lineno}: {e.msg}") from None
-    scope, out = dict(cfg), {}
-    for node in tree.body:
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            continue  # docstring
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
-            raise ValueError(f"{path}:{node.lineno}: presets hold only `key = value` lines")
-        try:
-            value = eval(compile(ast.Expression(node.value), path, 'eval'), {'__builtins__': {}}, scope)
-        except Exception as e:
-            raise ValueError(f"{path}:{node.lineno}: {type(e).__name__}: {e}") from None
-        scope[node.targets[0].id] = out[node.targets[0].id] = value
-    return out
-
-
-def typed(key, value, defaults, source):
-    """value (a str from the command line or a Python value from a preset) as the default's type."""
-    if key not in defaults:
-        close = difflib.get_close_matches(key, defaults, n=3)
-        hint = f"did you mean {', '.join('--' + c for c in close)}?" if close else "see --help for the keys"
-        raise ValueError(f"unknown key --{key} in {source}: {hint}")
-    if defaults[key] is None and (value is None or str(value).lower() in ('auto', 'none')):
-        return None  # a None default is an optional bool: auto (None) lets the script choose
-    kind = bool if defaults[key] is None else type(defaults[key])
-    if isinstance(value, str) and kind is not str:
-        words = {'true': True, '1': True, 'yes': True, 'false': False, '0': False, 'no': False}
-        try:
-            value = words[value.lower()] if kind is bool else kind(value)
-        except (KeyError, ValueError):
-            hint = "true, false, auto" if defaults[key] is None else f"default {defaults[key]!r}"
-            raise ValueError(f"--{key}={value!r} is not a valid {kind.__name__} ({hint})") from None
-    if kind is float and type(value) in (int, float):
-        value = float(value)
-        if not math.isfinite(value):
-            raise ValueError(f"--{key}={value!r} in {source} is not a finite number")
-    if type(value) is not kind:
-        raise ValueError(f"{key}={value!r} in {source} should be a {kind.__name__} like {defaults[key]!r}")
-    return value
-
-
-def read_text_file(path, what):
-    """A UTF-8 text file's contents; a missing or non-UTF-8 file is a one-line error naming it."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{what} {path} not found")
-    data = Path(path).read_bytes()
-    try:
-        return data.decode('utf-8')
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{what} {path} is not UTF-8 text (byte {e.start} is {data[e.start]:#04x}): save it as "
-                         f"UTF-8, e.g. iconv -f latin1 -t utf-8") from None
-
-
-def write_atomic(path, data):
-    """str, bytes or what data(f) writes, to a temp file renamed into place: a crash leaves the old file whole."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, 'wb') as f:
-            if callable(data):
-                data(f)
-            else:
-                f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-RUN_FILES = ('ckpt.pt', 'best.pt', 'log.jsonl')  # what makes an out_dir hold a training run
-
-
-def check_out_dir(out_dir, fresh=False, overwrite=False, flag='out_dir', resumable=True):
-    """Fail before any work if out_dir is not writable or a fresh run would replace its run unasked (--overwrite)."""
-    held = [f for f in RUN_FILES if os.path.isfile(os.path.join(out_dir, f))]
-    writer = int(os.environ.get('RANK', 0)) == 0  # DDP: only rank 0 writes; the others may look after it began
-    if fresh and held and not overwrite and writer:
-        resume = "continue it with --init_from=resume, " if resumable else ""
-        raise ValueError(f"out_dir {out_dir} already holds a run ({', '.join(held)}): {resume}replace it with "
-                         f"--overwrite, or pass a new --out_dir")
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, f'.write_test{os.getpid()}')
-        open(probe, 'w').close()
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"cannot write to {flag} {out_dir} ({e.strerror or e}): pass a writable --{flag}") from None
-
-
-def check_output_file(path, flag):
-    """Fail before the work that fills an output file, not after it, if it cannot be written there."""
-    if os.path.isdir(path):
-        raise ValueError(f"--{flag}={path} is a folder: name a file")
-    probe = f"{path}.tmp{os.getpid()}"
-    try:
-        open(probe, 'w').close()
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"cannot write --{flag}={path} ({e.strerror or e}): name a file in a writable folder") \
-            from None
-
-
-def remove_leftovers(out_dir, fresh):
-    """Delete killed runs' temp files (NAME.tmpPID, the process gone) and, if fresh, the old run's files."""
-    for name in os.listdir(out_dir):
-        _, tmp, pid = name.rpartition('.tmp')
-        if tmp and pid.isdigit() and not pid_alive(int(pid)) or fresh and name in RUN_FILES:
-            os.remove(os.path.join(out_dir, name))
-
-
-def pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-        return True
-    except OSError as e:  # PermissionError: alive, but another user's
-        return not isinstance(e, ProcessLookupError)
-
-
-def run_main(body, interrupted='interrupted'):
-    """Every script's main(): bad input prints one `error: ...` line and returns 2, Ctrl-C returns 130
-    with `interrupted` (what survives and how to go on), --help returns 0."""
-    try:
-        return body() or 0
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except SystemExit as e:  # --help
-        return e.code or 0
-    except KeyboardInterrupt:
-        print(interrupted, file=sys.stderr)
-        return 130
-
-
 # ----------------------------------------------------------------------------- main
 
 def up_to_date(out_dir, fingerprint):
@@ -807,6 +840,8 @@ def prepare_args(argv):
     code = args.dataset in ('pystdlib', 'text')
     if args.pairs not in ('', 'docstring', 'ict') or args.pairs == 'docstring' and not code:
         raise ValueError(f'--pairs={args.pairs} is not available for {args.dataset}: docstring (pystdlib, text) or ict')
+    if min(args.max_docs, args.max_tokens) < 0:
+        raise ValueError('--max_docs and --max_tokens must be >= 0 (0 = no limit)')
     if args.tokenizer and args.vocab_size:
         raise ValueError('--vocab_size applies when training a tokenizer, not with --tokenizer')
     if args.vocab_size and not 261 <= args.vocab_size < 2 ** 31:
