@@ -156,7 +156,7 @@ def typed(key, value, defaults, source):
         raise ValueError(f"{key}={value!r} in {source} should be a {kind.__name__} "
                          f"like {defaults[key]!r}")
     if kind is int and not -2 ** 63 <= value < 2 ** 63:  # torch and numpy take 64-bit integers
-        raise ValueError(f"--{key}={value} in {source} is out of range: use a value below 2**63")
+        raise ValueError(f"--{key}={value} in {source} is out of range: it must lie within ±2**63")
     return value
 
 
@@ -205,7 +205,8 @@ def check_out_dir(out_dir, fresh=False, overwrite=False, flag='out_dir', resumab
                          f"replace it with --overwrite, or pass a new --out_dir")
     try:
         os.makedirs(out_dir, exist_ok=True)
-        check_output_file(os.path.join(out_dir, 'probe'), flag)
+        open(probe := os.path.join(out_dir, f'.write_test{os.getpid()}'), 'w').close()
+        os.remove(probe)
     except OSError as e:
         raise ValueError(f"cannot write to {flag} {out_dir} ({e.strerror or e}): "
                          f"pass a writable --{flag}") from None
