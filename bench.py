@@ -28,7 +28,7 @@ import torch
 from model import (Attention, Backbone, ELiTAAttention, ELiTAFeedForward, GatedMLP, MLP, Mixing,
                    ModelConfig, SwiGLU, TokenMixing, allowed, build_model, flops_per_token,
                    measure_peak_flops)
-from prepare import LOWEST, Tokenizer, check_output_file, int_list, parse_args, run_main, write_atomic
+from prepare import Tokenizer, check_output_file, int_list, parse_args, run_main, write_atomic
 from retrieve import PairBatches, TextEncoder, info_nce
 from sample import compiled_step, decode_layout
 from train import (CHOICES, autocast, choose_dtype, configure_optimizer, load_checkpoint, load_meta,
@@ -88,8 +88,14 @@ def settings(argv, mode):
     if s['full']:  # parsed again so that argv's own values still win over the paper's
         s = parse_args(argv, dict(defaults, **FULL[mode]), BENCH_CHOICES, __doc__, positional='mode')
     s['archs'] = s['archs'].split(',')
-    for key in ('n_layers', 'n_ctx', 'batch_size'):
-        s[key] = int_list(s[key], key, LOWEST[key])
+    for key, low in dict(n_layers=1, n_ctx=2, batch_size=1).items():
+        s[key] = int_list(s[key], key, low)
+    lowest = dict(warmup=0, repeats=1, mem_limit=0, prompt=1, new_tokens=1, steps=1, seed=0)
+    for key, low in lowest.items():
+        if s[key] < low:
+            raise ValueError(f"--{key}={s[key]} is out of range: use a value >= {low}")
+    if s['lr'] <= 0:
+        raise ValueError(f"--lr={s['lr']} must be > 0")
     if mode != 'generate':
         if len(s['batch_size']) != 1:
             raise ValueError(f"--batch_size takes one integer in {mode}; a comma list only in generate")
@@ -640,7 +646,7 @@ MEASURE = {'throughput': bench_throughput, 'memory': bench_memory, 'generate': b
 def run(argv):
     """The rows of argv's mode (all: every mode but retrieval), printed as tables, written to --json/--plot."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv, DEFAULTS, BENCH_CHOICES, __doc__, positional='mode')
+    args = parse_args(argv, DEFAULTS, BENCH_CHOICES, __doc__, 'mode', MODE_DEFAULTS)
     if args['mode'] == 'memory_cell':
         return memory_cell(settings(argv, 'memory'))
     for key in ('json', 'plot'):  # before the benchmark, not after it

@@ -720,6 +720,11 @@ def run(argv):
     command, defaults, required = COMMANDS[argv[0]]
     cfg = parse_args(argv[1:], defaults, {k: v for k, v in CHOICES.items() if k in defaults},
                      __doc__)
+    for key, low in dict(batch_size=1, k=1, show=0, seed=0, n_layers=1).items():  # this command's
+        if key in cfg and cfg[key] < low:
+            raise ValueError(f"--{key}={cfg[key]} is out of range: use a value >= {low}")
+    if 'max_iters' in defaults:  # train and indirect run train.py's loop
+        train.check_loop(cfg)
     for example in required:
         if not cfg[example.split('=')[0]]:
             raise ValueError(f"retrieve.py {argv[0]} needs --{example} (see python retrieve.py "

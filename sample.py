@@ -53,6 +53,8 @@ def parse_args(argv):
         raise ValueError(f'--top_p={args.top_p} must lie in (0, 1] (1 = off)')
     if args.num_samples < 1 or args.max_new_tokens < 0:
         raise ValueError('--num_samples must be >= 1 and --max_new_tokens >= 0')
+    if args.seed < 0:
+        raise ValueError(f'--seed={args.seed} is out of range: use a value >= 0')
     return args
 
 

@@ -2546,3 +2546,58 @@ def test_index_and_search_default_under_an_ignored_folder(corpus, capsys, tmp_pa
     assert (tmp_path / 'out/index/manifest.json').is_file()
     code, out, err = run_main(capsys, 'retrieve', 'search', '--query=sort the load', '--k=2')
     assert code == 0 and out.startswith('1. '), err
+
+
+# ---- i23-cli
+
+def help_line(out, key):
+    """The --help line of one key: `--key=default  its comment`."""
+    return next(line.strip() for line in out.splitlines() if line.strip().startswith(f'--{key}='))
+
+
+def test_help_shows_each_keys_comment_from_the_source(capsys):
+    code, out, _ = run_main(capsys, 'train', '--help')
+    assert code == 0
+    assert 'context window' in help_line(out, 'n_ctx')                   # ModelConfig's comment
+    assert 'sequences per micro-batch' in help_line(out, 'batch_size')   # LOOP_DEFAULTS' comment
+    assert 'packed: random windows' in help_line(out, 'batch_mode')      # DEFAULTS' own
+    code, out, _ = run_main(capsys, 'sample', '-h')
+    assert code == 0 and 'nucleus sampling' in help_line(out, 'top_p')
+
+
+def test_help_shows_the_modes_own_defaults(capsys):
+    """bench.py memory --help lists memory's sizes, not throughput's; retrieve's commands their own."""
+    code, out, _ = run_main(capsys, 'bench', 'memory', '--help')
+    assert code == 0 and help_line(out, 'd_model').split()[0] == '--d_model=1024'
+    assert help_line(out, 'n_ctx').split()[0] == "--n_ctx='512,1024,2048'"
+    assert 'tokens of the prompt' in help_line(out, 'prompt')           # a line holding two keys
+    _, out, _ = run_main(capsys, 'bench', 'throughput', '--help')
+    assert help_line(out, 'd_model').split()[0] == '--d_model=256'
+    _, out, _ = run_main(capsys, 'retrieve', 'indirect', '--help')
+    assert help_line(out, 'batch_size').startswith('--batch_size=64') and 'retrieval inputs' in out
+    _, out, _ = run_main(capsys, 'retrieve', 'eval', '--help')
+    assert 'texts per forward pass' in help_line(out, 'batch_size')
+
+
+def test_the_command_line_layer_knows_no_scripts_ranges():
+    """parse_args types values; ranges are each script's (a key of one script means nothing to another)."""
+    assert prepare.parse_args(['--batch_size=0', '--lr=-1.0'], dict(batch_size=4, lr=0.1)) == \
+        dict(batch_size=0, lr=-1.0)
+    with pytest.raises(ValueError, match='2\\*\\*63'):  # beyond what torch and numpy can hold
+        prepare.parse_args([f'--seed={2 ** 64}'], dict(seed=0))
+
+
+@pytest.mark.parametrize('script,argv,culprit', [
+    *[('train', ['--data_dir=/nonexistent', arg], arg.split('=')[0]) for arg in [
+        '--warmup_iters=-1', '--max_time=-1', '--weight_decay=-0.1', '--grad_clip=-1', '--lr=0']],
+    ('sample', ['--seed=-1'], 'seed'),
+    ('prepare', ['pystdlib', '--max_docs=-1'], 'max_docs'), ('prepare', ['pystdlib', '--max_tokens=-5'], 'max_tokens'),
+    *[('bench', ['represent', arg], arg.split('=')[0]) for arg in [
+        '--warmup=-1', '--mem_limit=-1', '--prompt=0', '--steps=0', '--seed=-1', '--lr=0', '--n_layers=0']],
+    ('retrieve', ['search', '--index=x', '--k=0'], 'k'), ('retrieve', ['search', '--index=x', '--show=-1'], 'show'),
+    ('retrieve', ['eval', '--ckpt=x', '--pairs=y', '--seed=-1'], 'seed'),
+    ('retrieve', ['indirect', '--ckpt=x', '--n_layers=0'], 'n_layers'),
+    ('retrieve', ['train', '--init_from=x', '--eval_iters=0'], 'eval_iters'),
+])
+def test_each_script_refuses_its_own_out_of_range_keys(script, argv, culprit, tmp_path, capsys):
+    refused(capsys, script, argv, culprit, keep=[tmp_path])

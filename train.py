@@ -83,6 +83,20 @@ CHOICES = dict(batch_mode=('packed', 'documents'), padding=('right', 'left'), sc
 MODEL_KEYS = [f.name for f in fields(ModelConfig) if f.name != 'vocab_size']
 
 
+def check_loop(cfg):
+    """The loop keys' ranges (train.py's and retrieve.py's runs), checked before any work."""
+    for key in ('batch_size', 'grad_accum', 'eval_interval', 'eval_iters', 'log_interval'):
+        if cfg[key] < 1:
+            raise ValueError(f"--{key}={cfg[key]} is out of range: use a value >= 1")
+    for key in ('warmup_iters', 'max_iters', 'max_time', 'min_lr', 'weight_decay', 'grad_clip',
+                'seed'):
+        if cfg[key] < 0:
+            raise ValueError(f"--{key}={cfg[key]} is out of range: use a value >= 0")
+    if not 0 < cfg['lr'] >= cfg['min_lr']:
+        raise ValueError(f"--lr={cfg['lr']} must be > 0 and >= --min_lr={cfg['min_lr']}")
+    budget_used(cfg, 0, 0.0)  # a run needs a budget
+
+
 # ----------------------------------------------------------------------------- runtime
 
 # Dense bf16/fp16 tensor-core peaks from NVIDIA datasheets (TFLOP/s, first match in this order);
@@ -530,6 +544,8 @@ class Batches:
 
     def __init__(self, cfg, meta, data_dir):
         self.cfg, self.n = cfg, cfg['n_ctx']
+        if self.n < 2:  # an input token and the next one to predict
+            raise ValueError(f"--n_ctx={self.n} is out of range: a language model needs n_ctx >= 2")
         self.pad = meta.get('pad_id')
         if cfg['batch_mode'] == 'documents' and self.pad is None:
             raise ValueError(f"{data_dir}/meta.json has no pad_id, which batch_mode=documents needs: re-run prepare.py")
@@ -595,9 +611,9 @@ def main(argv=None):
 
 def train_lm(argv):
     cfg = parse_args(argv, DEFAULTS, CHOICES, __doc__)
+    check_loop(cfg)
     meta = load_meta(cfg['data_dir'])
     mcfg = ModelConfig(vocab_size=meta['vocab_size'], **{k: cfg[k] for k in MODEL_KEYS})
-    budget_used(cfg, 0, 0.0)  # a run needs a budget
     resume = None
     if cfg['init_from'] == 'resume':
         path = os.path.join(cfg['out_dir'], 'ckpt.pt')
