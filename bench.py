@@ -1001,6 +1001,8 @@ def race_plot(s, curves, metrics, path):
         axes[2].plot([int(n) for n in m['top1']], list(m['top1'].values()), marker='o', label=arch)
         axes[2].set(xscale='log', xlabel='n (n - 1 candidates)', ylabel='retrieval top-1 %',
                     title=f"after {s.nce_time:g} s of InfoNCE each")
+        axes[2].set_xticks([int(n) for n in m['top1']], list(m['top1']), minor=False)
+        axes[2].minorticks_off()
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
@@ -1028,7 +1030,7 @@ def race(argv):
     rows = race_table(s, curves)
     for r in rows:
         r.update({f"top1_n{n}": v for n, v in metrics.get(r['arch'], {}).get('top1', {}).items()})
-    cols = list(dict.fromkeys(k for r in rows for k in r))
+    cols = sorted(dict.fromkeys(k for r in rows for k in r), key=lambda c: c.startswith('top1'))
     cells = [{c: r.get(c, '') for c in cols} for r in rows]
     table = markdown(cells, cols) if rows else 'no evaluations'
     print(f"\n{table}\n", flush=True)
