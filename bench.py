@@ -860,15 +860,20 @@ def race_read_log(path, seen):
 def race_stop(procs):
     """SIGINT to each live run's process group (it exits as after Ctrl-C, its checkpoint whole),
     SIGKILL to any still there after 30 s."""
+    def kill(p, sig):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:  # it ended on its own meanwhile
+            pass
     live = [p for p in procs if p.poll() is None]
     for p in live:
-        os.killpg(p.pid, signal.SIGINT)
+        kill(p, signal.SIGINT)
     deadline = time.time() + 30
     for p in live:
         try:
             p.wait(max(0.1, deadline - time.time()))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            kill(p, signal.SIGKILL)
             p.wait()
 
 
