@@ -12,6 +12,8 @@ MODE is one of
   represent   input recovery from a layer's activations by gradient descent (paper §3.1-3.3)
   retrieval   InfoNCE training steps on prepared pairs: full left-padded windows vs trimmed padding
   all         every mode but retrieval at its default sizes, printed as markdown tables
+  race        archs trained for the same wall-clock budget by train.py, val loss vs time as a
+              table and a picture (python bench.py race --help: its own keys)
 
 Keys (python bench.py MODE --help lists them): --archs, --n_ctx and --n_layers take comma lists and
 every mode runs their product; --batch_size is a comma list in generate. The sizes default per mode
@@ -34,7 +36,7 @@ from sample import compiled_step, decode_layout
 from train import (CHOICES, autocast, choose_dtype, configure_optimizer, load_checkpoint, load_meta,
                    model_from_checkpoint, resolve_device)
 
-MODES = ('throughput', 'memory', 'generate', 'represent', 'retrieval', 'all')
+MODES = ('throughput', 'memory', 'generate', 'represent', 'retrieval', 'all', 'race')
 
 DEFAULTS = dict(
     mode='',                # the MODE, the first bare word
@@ -646,6 +648,8 @@ MEASURE = {'throughput': bench_throughput, 'memory': bench_memory, 'generate': b
 def run(argv):
     """The rows of argv's mode (all: every mode but retrieval), printed as tables, written to --json/--plot."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ['race']:  # its own keys: train.py's, per arch (see RACE_DOC)
+        return race(argv)
     args = parse_args(argv, DEFAULTS, BENCH_CHOICES, __doc__, 'mode', MODE_DEFAULTS)
     if args['mode'] == 'memory_cell':
         return memory_cell(settings(argv, 'memory'))
@@ -673,6 +677,388 @@ def run(argv):
         print(summary)
     if args['plot']:
         plot(rows, args['plot'])
+    return rows
+
+
+# ----------------------------------------------------------------------------- race
+
+import platform, signal  # noqa: E402 (the race's own imports, kept in its section)
+
+import train as trainer  # noqa: E402
+from model import ARCHS  # noqa: E402
+from prepare import check_out_dir  # noqa: E402
+
+RACE_DOC = """
+python bench.py race: language models trained for the same wall-clock budget on your data, as a
+table, a JSON file and one picture of validation loss against training time (the paper's central
+comparison).
+
+    python bench.py race [--archs=mixer,llama] [--max_time=SECONDS] [--data_dir=DIR] [--out_dir=DIR]
+                         [--presets=A.py,B.py] [--KEY=VALUE] [--ARCH.KEY=VALUE] [--retrieval=True]
+
+Each arch trains through train.py (one subprocess each) for --max_time seconds of training,
+evaluation excluded, as train.py counts its budget. On a CPU the runs go at the same time, one
+thread each, so that they share the machine's load and finish together (more archs than cores
+share the cores); on a GPU one after another, each with the whole device. Every run evaluates at
+the same marks of training time (every --eval_seconds) on the same validation batches: the keys
+that choose them (data_dir, n_ctx, batch_size, eval_iters, seed, batch_mode, padding, objective)
+must agree across the archs.
+
+A run's train.py keys, later ones winning: the race's sizes (d_model 256, 4 layers, n_ctx 256,
+batch 16, 4 evaluation batches: about 10 minutes on 2 CPU cores) and a learning rate per arch
+(mixers 5e-3, others 1.5e-3: config/retrieval_*.py's CPU-sized rates); its preset (--presets,
+one per arch, in --archs order); any train.py key, for every arch (--n_layers=8, --data_dir=DIR,
+--device=cuda); one arch's own (--mixer.d_model=512). --out_dir, --max_time and the evaluation
+marks are the race's.
+
+out_dir holds ARCH/ (train.py's run: log.jsonl, ckpt.pt, best.pt), ARCH.out (its console),
+race.md (the table), race.json (settings, curves, table) and race.png. --retrieval=True adds the
+paper's second stage: each pretrained model (ARCH/ckpt.pt) fine-tuned with InfoNCE for the same
+--nce_time seconds (retrieve.py train into ARCH_nce/, batch 32, symmetric, lr 1e-3 for mixers,
+5e-4 for others; --nce.KEY=VALUE passes a key to every one), then retrieve.py eval on --pairs
+at each --n: top-1 columns and a second panel. Pretrain on left-padded documents for it:
+--presets=config/retrieval_mixer.py,config/retrieval_llama.py. Ctrl-C stops every run (its last
+checkpoint stays whole) and still writes the table, JSON and picture of what was measured.
+"""
+RACE_DEFAULTS = dict(
+    mode='race',
+    archs='mixer,llama',    # comma list of archs, each trained once
+    max_time=420.0,         # seconds of training per arch, evaluation excluded
+    eval_seconds=0.0,       # evaluate every this many seconds of training (0: max_time / 8)
+    out_dir='out/race',
+    presets='',             # comma list of train.py presets, one per arch in --archs order
+    overwrite=False,        # replace the race already in out_dir
+    retrieval=False,        # then InfoNCE for --nce_time seconds each and top-1 on --pairs
+    nce_time=0.0,           # InfoNCE seconds of training per model (0: half of max_time)
+    pairs='',               # retrieval eval pairs (default: data_dir/pairs_val.jsonl)
+    n='32,64,128',          # retrieval: Table 1's n (n-1 candidates)
+)
+RACE_TRAIN = dict(d_model=256, n_layers=4, n_ctx=256, batch_size=16, warmup_iters=50, eval_iters=4,
+                  log_interval=10, max_iters=0)
+RACE_LR = {'mixer': 5e-3, 'gmlp': 5e-3}      # else 1.5e-3 (config/retrieval_*.py)
+RACE_NCE = dict(batch_size=32, symmetric=True, warmup_iters=20, eval_iters=5, max_iters=0)
+RACE_NCE_LR = {'mixer': 1e-3, 'gmlp': 1e-3}  # else 5e-4 (README's retrieval recipe)
+SAME_BATCHES = ('data_dir', 'n_ctx', 'batch_size', 'eval_iters', 'seed', 'batch_mode', 'padding',
+                'objective')
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def race_split(argv):
+    """argv -> (the race's own arguments, train.py keys for every arch, {arch: its own keys},
+    retrieve.py train keys): --KEY=VALUE of train.py, --ARCH.KEY=VALUE, --nce.KEY=VALUE."""
+    own, shared, per_arch, nce = [], [], {}, []
+    for arg in argv:
+        key, eq, value = arg[2:].partition('=') if arg.startswith('--') else ('', '', '')
+        key = key.replace('-', '_')
+        head, dot, rest = key.partition('.')
+        passed = dot or (key in trainer.DEFAULTS and key not in RACE_DEFAULTS)
+        if passed and not eq:
+            raise ValueError(f"--{key} is passed on to train.py: write --{key}=VALUE")
+        if dot:
+            (nce if head == 'nce' else per_arch.setdefault(head, [])).append(f"--{rest}={value}")
+        elif passed:
+            shared.append(f"--{key}={value}")
+        else:
+            own.append(arg)
+    return own, shared, per_arch, nce
+
+
+def race_settings(argv):
+    """The race's settings, with each arch's train.py arguments (s.runs) checked: bad input fails
+    here, before any work."""
+    own, shared, per_arch, nce = race_split(argv)
+    s = SimpleNamespace(**parse_args(own, RACE_DEFAULTS, None, RACE_DOC, positional='mode'))
+    s.archs = [a.strip() for a in s.archs.split(',') if a.strip()]
+    bad = [a for a in s.archs if a not in ARCHS]
+    if bad or not s.archs:
+        what = f"unknown arch {bad[0]!r}" if bad else "no arch"
+        raise ValueError(f"--archs={','.join(s.archs)}: {what}: use a comma list of "
+                         f"{', '.join(ARCHS)}")
+    if len(set(s.archs)) < len(s.archs):
+        raise ValueError(f"--archs={','.join(s.archs)} names an arch twice: each arch races once")
+    stray = sorted(set(per_arch) - set(s.archs))
+    if stray:
+        raise ValueError(f"--{stray[0]}.KEY=VALUE is for an arch not in "
+                         f"--archs={','.join(s.archs)}: add it there or drop the key")
+    if not s.max_time > 0:
+        raise ValueError(f"--max_time={s.max_time:g}: give every arch a budget of seconds > 0")
+    presets = [p for p in s.presets.split(',') if p.strip()]
+    if presets and len(presets) != len(s.archs):
+        raise ValueError(f"--presets names {len(presets)} file(s) for {len(s.archs)} arch(s): "
+                         f"one preset per arch, in --archs order")
+    s.eval_seconds = s.eval_seconds if s.eval_seconds > 0 else s.max_time / 8
+    s.nce_time = s.nce_time if s.nce_time > 0 else s.max_time / 2
+    s.runs, s.cfgs = {}, {}
+    for i, arch in enumerate(s.archs):
+        base = dict(RACE_TRAIN, arch=arch, lr=RACE_LR.get(arch, 1.5e-3))
+        forced = dict(out_dir=os.path.join(s.out_dir, arch), max_time=s.max_time,
+                      eval_seconds=s.eval_seconds, overwrite=True)  # out_dir checked below
+        args = ([f"--{k}={v}" for k, v in base.items()] + presets[i:i + 1] * bool(presets) + shared
+                + per_arch.get(arch, []) + [f"--{k}={v}" for k, v in forced.items()])
+        cfg = parse_args(args, trainer.DEFAULTS, trainer.CHOICES, RACE_DOC)
+        if cfg['arch'] != arch:
+            raise ValueError(f"the run named {arch} in --archs trains arch={cfg['arch']} (its "
+                             f"preset or --{arch}.arch): list the presets in --archs order")
+        s.runs[arch], s.cfgs[arch] = args, cfg
+    first = s.cfgs[s.archs[0]]
+    for arch in s.archs[1:]:
+        for key in SAME_BATCHES:
+            if s.cfgs[arch][key] != first[key]:
+                raise ValueError(f"{s.archs[0]} and {arch} would evaluate on different batches "
+                                 f"({key} {first[key]!r} vs {s.cfgs[arch][key]!r}): "
+                                 f"set --{key} for all archs")
+    s.data_dir, s.nce = first['data_dir'], nce
+    load_meta(s.data_dir)  # prepared data, or the one-line error naming prepare.py
+    s.dev = resolve_device(first['device'])
+    s.torch_dtype, s.why = choose_dtype(s.dev, first['dtype'])
+    s.pairs = s.pairs or os.path.join(s.data_dir, 'pairs_val.jsonl')
+    s.ns = int_list(s.n, 'n', 3)
+    race_check_outputs(s)
+    return s
+
+
+def race_check_outputs(s):
+    """Every output place writable (and no earlier race replaced unasked) before any run starts."""
+    check_out_dir(s.out_dir)
+    stages = [''] + ['_nce'] * s.retrieval
+    for arch in s.archs:
+        for stage in stages:
+            check_out_dir(os.path.join(s.out_dir, arch + stage), fresh=True, overwrite=s.overwrite,
+                          resumable=False)
+    for name in ('race.md', 'race.json', 'race.png'):
+        path = os.path.join(s.out_dir, name)
+        if os.path.exists(path) and not s.overwrite:
+            raise ValueError(f"{path} holds an earlier race: pass --overwrite, or a new --out_dir")
+        check_output_file(path, 'out_dir')
+    pyplot()
+    if s.retrieval:
+        for path in (os.path.join(s.data_dir, 'pairs_train.jsonl'), s.pairs):
+            if not os.path.isfile(path):
+                raise ValueError(f"--retrieval needs {path}: run python prepare.py "
+                                 f"(or pass --pairs)")
+
+
+def race_machine(dev):
+    """The machine in words, for the picture's title."""
+    if dev.type == 'cuda':
+        return torch.cuda.get_device_name(dev)
+    name = platform.processor() or platform.machine()
+    try:
+        with open('/proc/cpuinfo') as f:
+            name = next(ln.split(':', 1)[1].strip() for ln in f if ln.startswith('model name'))
+    except (OSError, StopIteration):
+        pass
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores)"
+
+
+def race_read_log(path, seen):
+    """New complete lines of a growing log.jsonl past byte `seen`: (records, new seen)."""
+    try:
+        with open(path, 'rb') as f:
+            f.seek(seen)
+            chunk = f.read()
+    except OSError:
+        return [], seen
+    done = chunk[:chunk.rfind(b'\n') + 1]
+    return [json.loads(line) for line in done.splitlines() if line.strip()], seen + len(done)
+
+
+def race_stop(procs):
+    """SIGINT to each live run's process group (it exits as after Ctrl-C, its checkpoint whole),
+    SIGKILL to any still there after 30 s."""
+    def kill(p, sig):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:  # it ended on its own meanwhile
+            pass
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        kill(p, signal.SIGINT)
+    deadline = time.time() + 30
+    for p in live:
+        try:
+            p.wait(max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            kill(p, signal.SIGKILL)
+            p.wait()
+
+
+def race_jobs(s, jobs):
+    """Run jobs [(name, argv, out_dir)] (argv: a script and its keys) and print a line per
+    evaluation; on a CPU all at once, one thread each, so they share the cores and the machine's
+    load alike; on a GPU one after another, since runs sharing a GPU get uneven slices of it that
+    depend on their kernel sizes, which would be no equal budget. Returns ({name: eval records},
+    {name: exit status and wall seconds since this call at its start and end}, interrupted?)."""
+    cpu = s.dev.type == 'cpu'
+    env = dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1') if cpu else os.environ
+    waves = [jobs] if cpu else [[j] for j in jobs]
+    if cpu and len(jobs) > (os.cpu_count() or 1):
+        print(f"note: {len(jobs)} runs share {os.cpu_count()} CPU core(s)", flush=True)
+    curves, status, procs, t0 = {name: [] for name, _, _ in jobs}, {}, [], time.time()
+    logs = {name: [os.path.join(out, 'log.jsonl'), 0] for name, _, out in jobs}  # path, bytes read
+
+    def read(name):  # the run's new evaluation records, a progress line each
+        records, logs[name][1] = race_read_log(*logs[name])
+        for r in (r for r in records if 'val_loss' in r):
+            curves[name].append(r)
+            print(f"  {name:<8} {r['time']:7.1f} s  step {r['step']:>6}  "
+                  f"{r['tokens_seen'] / 1e6:7.3f}M tokens  val loss {r['val_loss']:.4f}",
+                  flush=True)
+
+    def ended(name, p):
+        status[name].update(exit=p.returncode, ended=round(time.time() - t0, 2))
+        if p.returncode:
+            print(f"  {name} stopped (exit {p.returncode}): see "
+                  f"{os.path.join(s.out_dir, name + '.out')}", flush=True)
+
+    running = {}
+    try:
+        for wave in waves:
+            for name, argv, out in wave:
+                with open(os.path.join(s.out_dir, f"{name}.out"), 'w') as console:
+                    # a session of its own: a terminal's Ctrl-C reaches the race, which stops it
+                    running[name] = p = subprocess.Popen(
+                        [sys.executable, *argv], stdout=console, stderr=subprocess.STDOUT, env=env,
+                        start_new_session=True)
+                procs.append(p)
+                status[name] = dict(exit=None, started=round(time.time() - t0, 2))
+            while running:
+                time.sleep(0.5)
+                for name, p in list(running.items()):
+                    done = p.poll() is not None  # the log read after the exit: nothing is missed
+                    read(name)
+                    if done:
+                        ended(name, running.pop(name))
+        return curves, status, False
+    except KeyboardInterrupt:
+        race_stop(procs)
+        for name, p in running.items():
+            read(name)
+            ended(name, p)
+        return curves, status, True
+    finally:
+        race_stop(procs)
+
+
+def race_table(s, curves):
+    """A row per arch: steps, tokens, tokens/s, best and final val loss, and the training seconds
+    at which its curve first reached each other arch's best (at an evaluation mark; never: not)."""
+    rows, best = [], {a: min(r['val_loss'] for r in c) for a, c in curves.items() if c}
+    for arch, c in curves.items():
+        if not c:
+            continue
+        last = c[-1]
+        r = dict(arch=arch, steps=last['step'], tokens=last['tokens_seen'], train_s=last['time'],
+                 tokens_per_s=last['tokens_seen'] / last['time'] if last['time'] else None,
+                 best_val=best[arch], final_val=last['val_loss'])
+        for other in best:
+            if other != arch:
+                hit = [e['time'] for e in c if e['val_loss'] <= best[other]]
+                r[f"s_to_{other}_best"] = hit[0] if hit else 'never'
+        rows.append(r)
+    return rows
+
+
+def race_retrieval(s):
+    """InfoNCE for s.nce_time seconds on each pretrained model (at once on a CPU), then top-1 per n
+    on s.pairs: ({arch: retrieve.py eval's metrics}, interrupted?)."""
+    script = os.path.join(HERE, 'retrieve.py')
+    jobs = []
+    for arch in s.archs:
+        keys = dict(RACE_NCE, lr=RACE_NCE_LR.get(arch, 5e-4), data_dir=s.data_dir,
+                    device=s.cfgs[arch]['device'], out_dir=os.path.join(s.out_dir, arch + '_nce'),
+                    init_from=os.path.join(s.out_dir, arch, 'ckpt.pt'))
+        forced = dict(max_time=s.nce_time, eval_seconds=s.nce_time / 4, overwrite=True)
+        argv = [script, 'train'] + [f"--{k}={v}" for k, v in keys.items()] + s.nce + [
+            f"--{k}={v}" for k, v in forced.items()]
+        jobs.append((arch + '_nce', argv, keys['out_dir']))
+    print(f"## retrieval: InfoNCE, {s.nce_time:g} s each", flush=True)
+    _, status, interrupted = race_jobs(s, jobs)
+    metrics = {}
+    for arch in s.archs:
+        ckpt = os.path.join(s.out_dir, arch + '_nce', 'ckpt.pt')
+        out = os.path.join(s.out_dir, arch + '_eval.json')
+        if interrupted or status[arch + '_nce']['exit'] != 0:
+            continue
+        proc = subprocess.run([sys.executable, script, 'eval', f"--ckpt={ckpt}",
+                               f"--pairs={s.pairs}", f"--n={s.n}", f"--json={out}",
+                               f"--device={s.cfgs[arch]['device']}"],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            why = (proc.stderr.strip().splitlines() or ['no output'])[-1]
+            print(f"  {arch} retrieval eval failed: {why}")
+            continue
+        with open(out) as f:
+            metrics[arch] = json.load(f)
+        top1 = metrics[arch]['top1']
+        print(f"  {arch}: top-1 % " + ', '.join(f"n={n} {v:.1f}" for n, v in top1.items()),
+              flush=True)
+    return metrics, interrupted
+
+
+def race_plot(s, curves, metrics, path):
+    """Val loss vs training seconds and vs tokens seen, a line per arch (and top-1 vs n)."""
+    plt = pyplot()
+    panels = 2 + bool(metrics)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2))
+    for arch, c in curves.items():
+        if c:
+            loss = [r['val_loss'] for r in c]
+            axes[0].plot([r['time'] for r in c], loss, marker='.', label=arch)
+            axes[1].plot([r['tokens_seen'] for r in c], loss, marker='.', label=arch)
+    axes[0].set(xlabel='seconds of training (evaluation excluded)', ylabel='validation loss')
+    axes[1].set(xlabel='tokens seen', ylabel='validation loss')
+    for arch, m in metrics.items():
+        axes[2].plot([int(n) for n in m['top1']], list(m['top1'].values()), marker='o', label=arch)
+        axes[2].set(xscale='log', xlabel='n (n - 1 candidates)', ylabel='retrieval top-1 %',
+                    title=f"after {s.nce_time:g} s of InfoNCE each")
+        axes[2].set_xticks([int(n) for n in m['top1']], list(m['top1']), minor=False)
+        axes[2].minorticks_off()
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    how = 'at once, 1 thread each' if s.dev.type == 'cpu' else 'one after another'
+    fig.suptitle(f"{race_machine(s.dev)}, {str(s.torch_dtype)[6:]}: {s.max_time:g} s of training "
+                 f"per model ({how})", fontsize=10)
+    fig.tight_layout()
+    write_atomic(path, lambda f: fig.savefig(f, format='png', dpi=80))
+    plt.close(fig)
+
+
+def race(argv):
+    """python bench.py race (RACE_DOC): the table's rows, or 130 after Ctrl-C (what was measured
+    is still written)."""
+    s = race_settings(argv)
+    print(f"race: {', '.join(s.archs)}, {s.max_time:g} s of training each, evaluated every "
+          f"{s.eval_seconds:g} s; {s.dev} {str(s.torch_dtype)[6:]} ({s.why}); runs in {s.out_dir}",
+          flush=True)
+    jobs = [(arch, [os.path.join(HERE, 'train.py'), *s.runs[arch]], s.cfgs[arch]['out_dir'])
+            for arch in s.archs]
+    curves, status, interrupted = race_jobs(s, jobs)
+    metrics = {}
+    if s.retrieval and not interrupted and all(status[a]['exit'] == 0 for a in s.archs):
+        metrics, interrupted = race_retrieval(s)
+    rows = race_table(s, curves)
+    for r in rows:
+        r.update({f"top1_n{n}": v for n, v in metrics.get(r['arch'], {}).get('top1', {}).items()})
+    cols = sorted(dict.fromkeys(k for r in rows for k in r), key=lambda c: c.startswith('top1'))
+    cells = [{c: r.get(c, '') for c in cols} for r in rows]
+    table = markdown(cells, cols) if rows else 'no evaluations'
+    print(f"\n{table}\n", flush=True)
+    settings = dict(archs=s.archs, max_time=s.max_time, eval_seconds=s.eval_seconds,
+                    device=str(s.dev), dtype=str(s.torch_dtype)[6:], machine=race_machine(s.dev),
+                    retrieval=s.retrieval, nce_time=s.nce_time if s.retrieval else None,
+                    runs=s.runs, status=status, interrupted=interrupted)
+    write_atomic(os.path.join(s.out_dir, 'race.md'), table + '\n')
+    result = dict(settings=settings, table=rows, curves=curves, retrieval=metrics)
+    write_atomic(os.path.join(s.out_dir, 'race.json'), json.dumps(result, indent=1))
+    if rows:
+        race_plot(s, curves, metrics, os.path.join(s.out_dir, 'race.png'))
+    print(f"wrote {s.out_dir}/race.md, race.json" + ", race.png" * bool(rows), flush=True)
+    if interrupted:
+        print("interrupted: every run stopped; race.md, race.json and race.png hold what was "
+              "measured, each run's last checkpoint is in its folder", file=sys.stderr)
+        return 130
     return rows
 
 

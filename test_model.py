@@ -2601,3 +2601,112 @@ def test_the_command_line_layer_knows_no_scripts_ranges():
 ])
 def test_each_script_refuses_its_own_out_of_range_keys(script, argv, culprit, tmp_path, capsys):
     refused(capsys, script, argv, culprit, keep=[tmp_path])
+
+
+# ---- i25-race
+
+RACE_TINY = ['--d_model=16', '--n_layers=1', '--n_ctx=16', '--batch_size=2', '--eval_iters=1',
+             '--log_interval=5', '--warmup_iters=0', '--device=cpu']
+
+
+def test_train_evaluates_at_marks_of_training_time(data, tmp_path):
+    """eval_seconds > 0 evaluates once per mark of training time (not every eval_interval steps),
+    logging the training seconds and tokens seen; the budget's last evaluation closes the run."""
+    assert train.main([f'--data_dir={data}', f'--out_dir={tmp_path}', *RACE_TINY, '--max_iters=0',
+                       '--max_time=1.2', '--eval_seconds=0.3', '--eval_interval=100000']) == 0
+    evals = [json.loads(line) for line in open(tmp_path / 'log.jsonl') if 'val_loss' in line]
+    marks = [int(e['time'] // 0.3) for e in evals[:-1]]  # the last one is the budget's
+    assert evals[0]['time'] == 0 and marks == sorted(set(marks)) and len(evals) >= 3
+    assert all(e['tokens_seen'] > 0 for e in evals[1:]) and evals[-1]['time'] >= 1.2
+
+
+@pytest.fixture(scope='module')
+def tiny_race(data, tmp_path_factory):
+    """A race of a mixer and a llama, 1.5 s of training each, and its rows."""
+    out = tmp_path_factory.mktemp('race')
+    rows = bench.main(['race', f'--data_dir={data}', f'--out_dir={out}', *RACE_TINY,
+                       '--max_time=1.5', '--eval_seconds=0.5'])
+    return out, rows, data
+
+
+def test_race_writes_table_json_and_picture(tiny_race, capsys):
+    import matplotlib.image
+    out, rows, data = tiny_race
+    assert [r['arch'] for r in rows] == ['mixer', 'llama']
+    assert all(r['steps'] > 0 and r['tokens_per_s'] > 0 for r in rows)
+    assert all(r['best_val'] <= r['final_val'] for r in rows)
+    assert 's_to_llama_best' in rows[0] and 's_to_mixer_best' in rows[1]
+    assert '| mixer |' in (out / 'race.md').read_text()
+    result = json.loads((out / 'race.json').read_text())
+    assert all(len(result['curves'][a]) >= 3 for a in ('mixer', 'llama'))  # step 0, a mark, the end
+    assert matplotlib.image.imread(out / 'race.png').ndim == 3
+    capsys.readouterr()
+    # one more race into the same out_dir would replace it: refused before any work
+    assert bench.main(['race', f'--out_dir={out}', f'--data_dir={data}', '--max_time=1']) == 2
+    assert '--overwrite' in capsys.readouterr().err
+
+
+def test_race_runs_overlap_in_time_on_cpu(tiny_race):
+    """On a CPU the runs train at the same time: each starts before the other one ends."""
+    runs = json.loads((tiny_race[0] / 'race.json').read_text())['settings']['status']
+    mixer, llama = runs['mixer'], runs['llama']
+    assert mixer['exit'] == llama['exit'] == 0
+    assert mixer['started'] < llama['ended'] and llama['started'] < mixer['ended']
+
+
+@pytest.mark.parametrize('argv, says', [
+    (['--max_time=0'], '--max_time=0'), (['--archs=mixer,transformer'], "unknown arch 'transformer'")])
+def test_race_bad_budget_or_arch_is_one_line_error(argv, says, capsys):
+    assert bench.main(['race', *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith('error: ') and says in err[0]
+
+
+def test_race_exits_2_on_bad_input(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(HERE, 'bench.py'), 'race', '--max_time=-5',
+                        f'--out_dir={tmp_path}'], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1
+    assert r.stderr.startswith('error: --max_time=-5')
+
+
+def race_children(out):
+    """Live processes whose command line names a folder under out (the race's runs)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            with open(f'/proc/{pid}/cmdline', 'rb') as f:
+                cmd = f.read().decode(errors='replace')
+        except OSError:
+            continue
+        if f'--out_dir={out}/' in cmd:
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir('/proc'), reason='reads /proc')
+def test_race_ctrl_c_leaves_no_child_behind(data, tmp_path):
+    """SIGINT to the race alone stops every run (in sessions of their own, they get it from the
+    race), exits 130 and still writes what was measured."""
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, 'bench.py'), 'race', *RACE_TINY,
+                             f'--data_dir={data}', f'--out_dir={tmp_path}', '--max_time=600',
+                             '--eval_seconds=300'],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                            start_new_session=True)
+    try:
+        def evaluated(arch):  # step 0 is evaluated: the run is training
+            log = tmp_path / arch / 'log.jsonl'
+            return log.exists() and 'val_loss' in log.read_text()
+        deadline = time.time() + 120
+        while time.time() < deadline and not (evaluated('mixer') and evaluated('llama')):
+            time.sleep(0.2)
+        assert len(race_children(tmp_path)) == 2
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and 'interrupted' in err
+    assert race_children(tmp_path) == []
+    result = json.loads((tmp_path / 'race.json').read_text())
+    assert result['settings']['interrupted']
+    assert all(result['curves'][a] for a in ('mixer', 'llama'))  # step 0's evaluations

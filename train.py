@@ -62,6 +62,7 @@ LOOP_DEFAULTS = dict(
     max_iters=5000,         # step budget, 0 = none
     max_time=0.0,           # seconds of training (evaluation excluded), 0 = none
     eval_interval=250,
+    eval_seconds=0.0,       # > 0: evaluate every this many seconds of training instead
     eval_iters=20,
     log_interval=10,
     dtype='auto',           # auto: bf16 on CUDA and on CPUs with native bf16, else fp32 (fp16 on old GPUs)
@@ -384,9 +385,14 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
     loss_sum = torch.zeros((), device=device)  # of the micro-batch losses since the last log line
     logged_step, logged_tokens, logged_time = step, tokens_seen, train_time  # at the last log line
     raw.train()
+    every = max(cfg.get('eval_seconds', 0.0), 0.0)  # > 0: evaluate at marks of training time
+    next_eval = 0.0 if start == 0 or not every else (train_time // every + 1) * every
     while True:
         progress = budget_used(cfg, step, train_time)
-        if progress >= 1 or (step % cfg['eval_interval'] == 0 and (step > start or start == 0)):
+        due = (train_time >= next_eval if every else
+               step % cfg['eval_interval'] == 0 and (step > start or start == 0))
+        if progress >= 1 or due:
+            next_eval = (train_time // every + 1) * every if every else 0.0
             losses = evaluate(cfg, runtime, net, get_batch, loss_fn)
             train_loss, val_loss = losses['train'], losses['val']
             write_log(log, step=step, train_loss=train_loss, val_loss=val_loss, tokens_seen=tokens_seen,
@@ -432,7 +438,7 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
         optimizer.zero_grad(set_to_none=True)
         step += 1
         dt = time.perf_counter() - t0
-        if cfg['max_time'] and runtime.distributed:  # every rank follows rank 0's clock (lr and stop)
+        if (cfg['max_time'] or every) and runtime.distributed:  # ranks follow rank 0's clock
             dt_t = torch.tensor([dt], dtype=torch.float64, device=device)
             dist.broadcast(dt_t, 0)
             dt = dt_t.item()
