@@ -1997,8 +1997,9 @@ def test_bench_memory(capsys):
     assert bench.run_cell(eight, 'llama', 2, 512) - bench.run_cell(one, 'llama', 2, 512) > 25 * 2**20
 
 
-def test_bench_generate_methods_batches_and_ceiling():
+def test_bench_generate_methods_batches_and_ceiling(monkeypatch):
     """window at the first batch size, cache at each; every row beside its bandwidth ceiling."""
+    monkeypatch.setattr(bench, 'last_level_cache', lambda dev: 0)  # every step past the cache
     rows = bench.main(['generate', '--archs=mixer,llama', *BENCH_TINY, '--batch_size=1,3', '--prompt=4',
                        '--new_tokens=6'])
     assert [(r['arch'], r['method'], r['batch_size']) for r in rows] == [
