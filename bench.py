@@ -5,20 +5,19 @@ bench.py: the paper's measurements, re-run on your own hardware in one command.
 
 MODE is one of
   throughput  training steps (forward, backward, AdamW): ms/step, tokens/s and MFU
-  memory      peak memory of one forward + backward, no lm head (the paper's Tables S9/S10 used
-              --batch_size=16 --n_heads=32; the defaults, batch 1 and 4 heads, fit a small CPU)
-  generate    decoding tokens/s: the paper's fixed-window generation vs cached decoding, at batch
-              1 and 16, as a fraction of the memory-bandwidth ceiling where that ceiling binds
+  memory      peak memory of one forward + backward, no lm head (the paper's Tables S9/S10)
+  generate    decoding tokens/s, fixed window vs cache, at batch 1 and 16, as a fraction of the
+              memory-bandwidth ceiling where that ceiling binds
   represent   input recovery from a layer's activations by gradient descent (paper §3.1-3.3)
-  retrieval   InfoNCE training steps on prepared pairs: full left-padded windows vs trimmed padding
+  retrieval   InfoNCE training steps on prepared pairs: full left-padded windows vs trimmed
   all         every mode but retrieval at its default sizes, printed as markdown tables
 
---archs, --n_ctx and --n_layers take comma lists and every mode runs their product; --batch_size is
-a comma list in generate. Sizes default per mode (MODE_DEFAULTS, small enough for `all` in minutes
-on 2 CPU cores; `MODE --help` lists them); --full swaps in the paper's grid (FULL), and a key given
-on the command line wins over both. The timed modes run --repeats rounds over their grid: tables
-show each cell's median round, ratios their median over rounds with the min-max. Models are
-untrained unless represent gets --ckpt; inputs are random tokens unless --data_dir.
+--archs, --n_ctx and --n_layers take comma lists and every mode runs their product (--batch_size
+too, in generate). Sizes default per mode (`MODE --help` lists them), small enough for `all` in
+minutes on 2 CPU cores; --full swaps in the paper's grid; the command line wins over both. Timed
+modes run --repeats rounds: a table shows each cell's median round, a ratio its median over the
+rounds (min-max). Models are untrained unless represent gets --ckpt; inputs are random tokens
+unless --data_dir. The paper's memory settings: --batch_size=16 --n_heads=32.
 """
 import json, os, re, resource, statistics, subprocess, sys, time
 from types import SimpleNamespace
@@ -371,9 +370,8 @@ def bench_retrieval(s):
         pairs = PairBatches(dict(data_dir=data_dir, batch_size=s.batch_size, negatives='inbatch',
                                  seed=s.seed), tok, 0)
     except FileNotFoundError as e:  # a file of the data dir; a ValueError already names its fix
-        raise ValueError(f"{e}: retrieval needs a data dir prepared with pairs (python "
-                         f"prepare.py, or prepare.py text --pairs=ict), or pass --data_dir") \
-            from None
+        raise ValueError(f"{e}: retrieval needs a data dir prepared with pairs (python prepare.py, "
+                         f"or prepare.py text --pairs=ict), or pass --data_dir") from None
     rows = []
     for cfg in grid(s):
         pairs.n_ctx = cfg.n_ctx
@@ -549,8 +547,8 @@ def represent_inputs(cfg, s, gen):
         meta = load_meta(s.data_dir)
         data = np.memmap(os.path.join(s.data_dir, 'val.bin'), dtype=meta['dtype'], mode='r')
     except (OSError, ValueError) as e:  # the flag named beside load_meta's reason
-        raise ValueError(f"--data_dir={s.data_dir} has no readable meta.json/val.bin ({e})") \
-            from None
+        raise ValueError(f"--data_dir={s.data_dir} has no readable meta.json/val.bin "
+                         f"({e})") from None
     if len(data) <= cfg.n_ctx or meta['vocab_size'] > cfg.vocab_size:
         raise ValueError(f"--data_dir={s.data_dir} does not fit the model (needs > n_ctx tokens, "
                          f"vocab <= {cfg.vocab_size})")
@@ -669,8 +667,8 @@ def pyplot():
         matplotlib.use('Agg')
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install matplotlib, or leave out --plot") \
-            from None
+        raise ValueError("--plot needs matplotlib: pip install matplotlib, or leave out "
+                         "--plot") from None
     return plt
 
 
