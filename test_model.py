@@ -1997,8 +1997,9 @@ def test_bench_memory(capsys):
     assert bench.run_cell(eight, 'llama', 2, 512) - bench.run_cell(one, 'llama', 2, 512) > 25 * 2**20
 
 
-def test_bench_generate_methods_batches_and_ceiling():
+def test_bench_generate_methods_batches_and_ceiling(monkeypatch):
     """window at the first batch size, cache at each; every row beside its bandwidth ceiling."""
+    monkeypatch.setattr(bench, 'last_level_cache', lambda dev: 0)  # every step past the cache
     rows = bench.main(['generate', '--archs=mixer,llama', *BENCH_TINY, '--batch_size=1,3', '--prompt=4',
                        '--new_tokens=6'])
     assert [(r['arch'], r['method'], r['batch_size']) for r in rows] == [
@@ -2710,3 +2711,74 @@ def test_race_ctrl_c_leaves_no_child_behind(data, tmp_path):
     result = json.loads((tmp_path / 'race.json').read_text())
     assert result['settings']['interrupted']
     assert all(result['curves'][a] for a in ('mixer', 'llama'))  # step 0's evaluations
+
+
+    assert len(rows) == 3 * 3 and all(r['tokens_per_s'] > 0 for r in rows)
+    # a fraction only where the step reads more than the GPU's L2 holds
+    assert all((r['fraction'] is None) == (r['bound'] != 'dram') for r in rows)
+
+
+# ---- i24-bench
+
+def test_bench_ratios_are_medians_over_rounds_with_their_range(capsys):
+    """Each ratio is taken within a round and shown as the median over the rounds with its
+    min-max; a cell's row is its median round, whole, so that its columns agree."""
+    def rows(mixer, gpt):  # one round's throughput rows
+        return [dict(mode='throughput', arch=a, n_layers=4, n_ctx=128, batch_size=4,
+                     tokens_per_s=t) for a, t in (('mixer', mixer), ('gpt', gpt))]
+    out = bench.ratios([rows(2.0, 1.0), rows(6.0, 2.0), rows(1.0, 1.0)])
+    assert out == "throughput mixer/gpt at n_layers=4 n_ctx=128: 2.00x (1.00-3.00)"
+    assert bench.ratios([rows(2.0, 1.0)]).endswith(": 2.00x (one run)")
+    cells = [dict(tokens_per_s=t, ms_per_step=1 / t) for t in (3.0, 1.0, 2.0, 4.0)]
+    assert bench.median_round(cells, 'tokens_per_s') == dict(cells[2], repeats=4)
+    rows = bench.main(['throughput', '--archs=mixer,gpt', *BENCH_TINY, '--warmup=0', '--repeats=3'])
+    out = capsys.readouterr().out
+    assert 'round 3 of 3' in out and all(r['repeats'] == 3 for r in rows)
+    assert re.search(r'throughput mixer/gpt at n_layers=1 n_ctx=16: [\d.]+x \([\d.]+-[\d.]+\)', out)
+
+
+def test_bench_generate_fraction_only_where_the_dram_ceiling_binds(monkeypatch, tmp_path, capsys):
+    """The last-level cache is the largest in sysfs (None where unreadable); the bandwidth probe
+    streams more than it holds; a step that fits in it, or an unknown cache, gets no fraction."""
+    for i, size in enumerate(('32K', '32768K', '1M', 'odd')):
+        (tmp_path / f'index{i}').mkdir()
+        (tmp_path / f'index{i}' / 'size').write_text(size + '\n')
+    (tmp_path / 'uevent').write_text('')
+    cpu = torch.device('cpu')
+    assert bench.last_level_cache(cpu, str(tmp_path)) == 32 * 2**20
+    assert bench.last_level_cache(cpu, str(tmp_path / 'absent')) is None
+    probes = []
+    monkeypatch.setattr(bench, 'measure_read_bandwidth',
+                        lambda dev, mib: probes.append(mib) or 1e10)
+    argv = ['generate', '--archs=mixer', *BENCH_TINY, '--batch_size=1', '--prompt=4',
+            '--new_tokens=4', '--methods=cache', '--repeats=1']
+    for llc, bound in ((None, 'unknown'), (10**9, 'cache'), (1, 'dram')):
+        monkeypatch.setattr(bench, 'last_level_cache', lambda dev: llc)
+        (r,) = bench.main(argv)
+        assert r['bound'] == bound and (r['fraction'] is None) == (bound != 'dram')
+        assert probes[-1] * 2**20 > (llc or 0)
+    out = capsys.readouterr().out
+    assert 'cache size is unknown' in out and 'fits the 954 MiB last-level cache' in out
+    assert '| cache | - |' in out
+
+
+def test_bench_plot_refused_before_any_work_where_no_row_is_drawn(monkeypatch, capsys, tmp_path):
+    """represent and retrieval make no row --plot draws: refused at once, matplotlib or not."""
+    monkeypatch.setattr(bench, 'pyplot', lambda: None)
+    for mode in ('represent', 'retrieval'):
+        monkeypatch.setitem(bench.MEASURE, mode, lambda s: pytest.fail('measured first'))
+        refused(capsys, 'bench', [mode, f'--plot={tmp_path}/b.png'], 'plot', keep=[tmp_path])
+
+
+def test_bench_mode_help_shows_that_modes_sizes(capsys):
+    code, out, _ = run_main(capsys, 'bench', 'memory', '--help')
+    line = next(line for line in out.splitlines() if '--d_model' in line)
+    assert code == 0 and '1024' in line, line
+
+
+def test_bench_output_names_in_the_readme_are_ignored_by_git():
+    import fnmatch
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), '.gitignore')) as f:
+        patterns = [p.strip().lstrip('/') for p in f if p.strip()]
+    for name in ('bench.json', 'bench.png'):
+        assert any(fnmatch.fnmatch(name, p) for p in patterns), name
