@@ -1,19 +1,22 @@
-"""nanomixer's tests, written to be read: each protects one property, named by the test or its docstring.
+"""nanomixer's tests, written to be read top to bottom: each protects one property, named by the
+test or its docstring. Tiny models on the CPU (a GPU only in the CUDA section), every fixture made
+by the tests themselves. Run: python -m pytest -q (NANOMIXER_NO_BF16=1 makes --dtype=auto take its
+fp32 fallback everywhere; on a GPU machine python -m pytest -q -k cuda runs the CUDA section).
 
-Tiny models on the CPU (a GPU only in section 10), every fixture made by the tests themselves.
-Run: python -m pytest -q (NANOMIXER_NO_BF16=1 makes --dtype=auto take its fp32 fallback everywhere).
-
-  1. causality: no future token reaches a past logit, by perturbation and by exact-zero gradients
-  2. decoding: window == cache == the full forward, for every cached code path
-  3. the models against written-out references; accounting; configuration
-  4. sample.py    5. prepare.py (a local stand-in for the hub)    6. train.py: DDP == one process,
-     kill -9 + resume is bit-identical, the dtype fallback    7. retrieve.py    8. bench.py
-  9. refusals in every script: status 2, one `error:` line naming the culprit, nothing overwritten
- 10. CUDA: sections 1, 2 and 6 on a GPU's kernels (skipped without one; there: python -m pytest -q -k cuda)
+How the file reads:
+  1. the three teaching tests: a `Mixing` is tril(W) @ x + b written out by hand; no future token
+     reaches a past logit (by perturbation and by exact-zero gradients, every causal variant, with
+     a control that does leak); decoding with the cache equals re-running the window
+  2. the golden run: train.py for 30 steps from a fixed seed, its losses and a greedy sample pinned
+  3. model.py   4. train.py (DDP == one process, kill -9 + resume is bit-identical, the dtype
+     choice)   5. sample.py   6. retrieve.py   7. prepare.py (a local stand-in for the hub)
+  8. bench.py   9. CUDA: sections 1, 2 and 4 on a GPU's kernels (skipped without one)
+ 10. fixtures and helpers, the local hub server
+ 11. refusals in every script: status 2, one `error:` line naming the culprit, nothing overwritten
 """
 import ast, contextlib, dataclasses, hashlib, http.server, io, json, math, os, platform, random, re, shutil, signal, socket
-import subprocess, sys, threading, time, types, urllib.parse
 
+import subprocess, sys, threading, time, types, urllib.parse
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -21,7 +24,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 import bench, model as M, prepare, retrieve, sample, train
 from model import ModelConfig, build_model
 from prepare import Tokenizer, docstring_pairs, ict_pairs
@@ -31,66 +33,15 @@ MAINS = {'train': train.main, 'sample': sample.main, 'retrieve': retrieve.main, 
          'bench': bench.main}
 
 
-@pytest.fixture(autouse=True, scope='session')
-def one_thread():
-    """Tiny models run faster on one thread (and far faster than on two busy shared cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # =============================================================================
-# 1. causality
+# 1. the three teaching tests
 
-V, N, D = 40, 12, 16  # vocab, n_ctx, d_model of the tiny test models
-
-
-def tiny(**kw):
-    return ModelConfig(**{**dict(vocab_size=V, n_ctx=N, d_model=D, n_layers=2), **kw})
-
-
-def perturbed(cfg, scale, seed=0):
-    """A model with every parameter moved off its init, so that no structure (zeros, ones,
-    symmetry) can hide a leak or make two computations agree by accident."""
-    torch.manual_seed(seed)
-    model = build_model(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.randn_like(p))
-    return model
-
-
-def make(cfg):
-    return perturbed(cfg, 0.05).double()
+V, N, D = 40, 12, 16       # vocab, n_ctx, d_model of the tiny test models
+VOCAB, N_CTX = 97, 16      # the decoding tests' (tiny_model's) vocab and n_ctx
 
 
 def name(variant):
     return '-'.join(f'{k}={x}' for k, x in variant.items()) or 'default'
-
-
-def embedding_grad(model, idx, mask, out_fn):
-    """d out_fn(logits) / d token embeddings, read by a hook on the token embedding's output."""
-    wte = model.backbone.wte if hasattr(model, 'backbone') else getattr(model, 'wte', None) or model.encoder.wte
-    seen = []
-    hook = wte.register_forward_hook(lambda mod, inp, out: seen.append(out) or out.retain_grad())  # returns None
-    try:
-        out_fn(model(idx, mask=mask)[0]).backward()
-    finally:
-        hook.remove()
-    return seen[-1].grad
-
-
-def padded_batch(padding, gen):
-    """Two sequences of lengths N and N - 4, padded on the right or the left (or not: mask None)."""
-    idx = torch.randint(0, V, (2, N), generator=gen)
-    if padding is None:
-        return idx, None
-    mask = torch.ones(2, N, dtype=torch.bool)
-    mask[1, N - 4:] = padding != 'right'
-    mask[1, :4] = padding != 'left'
-    idx[~mask] = 0
-    return idx, mask
 
 
 # every causal model: each arch, each mixer variant and combinations, each causal objective; each
@@ -111,6 +62,27 @@ VARIANTS = [
     dict(arch='llama', objective='mtp2'), dict(arch='elita', objective='mtp2'),
 ]
 PADDED = [(dict(arch=a), p) for a in ('mixer', 'llama', 'gpt', 'hybrid', 'gmlp', 'elita') for p in ('right', 'left')]
+
+
+def test_mixing_is_tril_w_x_plus_b():
+    """The masked mixer's core, written out by hand: out[t] = sum_{s<=t} W[t, s] x[s] + b[t] for
+    every channel, which is tril(W) @ x + b; what W holds above the diagonal (the future) is unread."""
+    torch.manual_seed(0)
+    mix = M.Mixing(N, N).double()                      # weight (1, N, N), bias (1, N, 1)
+    x = torch.randn(2, 1, N, D, dtype=torch.float64)   # (B, heads, positions, channels)
+    W, b = mix.weight[0], mix.bias[0, :, 0]            # (N, N), (N,)
+    by_hand = torch.zeros(2, N, D, dtype=torch.float64)
+    for t in range(N):
+        for s in range(t + 1):
+            by_hand[:, t] += W[t, s] * x[:, 0, s]
+        by_hand[:, t] += b[t]
+    out = mix(x)[:, 0]                                 # (B, N, D)
+    # float64: the hand loop sums the same <= N terms in another order, ~N * 2^-53 of ~1
+    torch.testing.assert_close(out, by_hand, rtol=0, atol=1e-12)
+    assert torch.equal(mix(x), mix.weight.tril() @ x + mix.bias)   # the same ops: bit for bit
+    with torch.no_grad():
+        mix.weight.add_(100 * torch.ones(N, N).triu(1))   # move only the future's weights
+    assert torch.equal(mix(x)[:, 0], out)
 
 
 @pytest.mark.parametrize('variant,padding', [(v, None) for v in VARIANTS] + PADDED,
@@ -138,9 +110,118 @@ def assert_causal(model, idx, mask, gen, amp=contextlib.nullcontext):
 
 
 def test_non_causal_mixer_does_mix_backwards():
-    """The control: the causality tests can fail."""
-    grad = embedding_grad(make(tiny(causal=False)), torch.randint(0, V, (2, N)), None, lambda lg: lg[:, 0].pow(2).sum())
+    """The control: on a model that mixes both ways the causality test above fails, by
+    perturbation and by gradient."""
+    gen = torch.Generator().manual_seed(1)
+    with pytest.raises(AssertionError):
+        assert_causal(make(tiny(causal=False)), *padded_batch(None, gen), gen)
+    grad = embedding_grad(make(tiny(causal=False)), torch.randint(0, V, (2, N)), None,
+                          lambda lg: lg[:, 0].pow(2).sum())
     assert torch.count_nonzero(grad[:, 1:]) > 0
+
+
+@pytest.mark.parametrize('variant', VARIANTS, ids=name)
+def test_window_equals_cache_equals_full_forward(variant):
+    """The paper's window (re-run whole each step), the cache (one position a step) and the training
+    forward: the same greedy tokens for 2.5 windows (both slide alike), the same logits in the first."""
+    model = tiny_model(**variant)
+    idx = prompt(5)
+    tok_w, logit_w = decode(model, idx, 2 * N_CTX + N_CTX // 2, 'window')
+    tok_c, logit_c = decode(model, idx, 2 * N_CTX + N_CTX // 2, 'cache')
+    assert torch.equal(tok_w, tok_c) and len(tok_c.unique()) > 3    # > 3: not a trivial comparison
+    torch.testing.assert_close(logit_c, logit_w, atol=1e-4, rtol=0)
+    full, _ = model(torch.cat([idx, tok_c[:, :N_CTX - 5]], 1))      # (B, N_CTX, vocab)
+    torch.testing.assert_close(logit_c[:, :N_CTX - 5], full[:, 4:-1], atol=1e-4, rtol=0)
+
+
+# =============================================================================
+# 2. the golden run: train.py end to end with its numbers pinned, as llama2.c's test_all.py pins
+# its model's output. Recorded at one thread, float32, seed 1337, on the `data` corpus.
+
+GOLDEN_STEPS = 30
+GOLDEN_LOSS = dict(train_loss=1.4176280498504639, val_loss=1.2088258266448975)  # at step 30
+GOLDEN_TOKENS = [269, 267, 280, 281, 279, 261, 14, 269, 267, 280, 281, 279, 261, 14, 269, 267,
+                 280, 280, 280, 280]  # greedy from BOS
+# Summing in another order (2 threads instead of 1; every Linear as (W x^T)^T) moved the losses
+# after 30 Adam steps by <= 1.3e-7 relative; a 1 % larger lr moves the train loss by 1e-3: rel 1e-5
+# is ~75x the first and 1/100 of the second.
+GOLDEN_REL = 1e-5
+GOLDEN_MARGIN = 1e-3  # top-1 minus top-2 logit; the kernels' fp32 rounding moves logits by ~1e-6
+
+
+def test_golden_run(data, tmp_path):
+    """30 steps of train.py on either CPU kind (float32 asked, so no dtype choice enters): the
+    losses it logs, and 20 greedy tokens of the trained model, each chosen by a margin wide enough
+    that no other kernel's rounding can flip it."""
+    assert train_run(data, tmp_path, '--dtype=float32', f'--max_iters={GOLDEN_STEPS}',
+                     f'--eval_interval={GOLDEN_STEPS}') == 0
+    last = records(tmp_path, 'val_loss')[-1]
+    assert last['step'] == GOLDEN_STEPS
+    for key, want in GOLDEN_LOSS.items():
+        assert last[key] == pytest.approx(want, rel=GOLDEN_REL), (key, last[key])
+    model = train.model_from_checkpoint(weights(tmp_path)).eval()
+    bos = torch.tensor([[Tokenizer.from_dir(data).bos_id]])
+    tokens, logits = decode(model, bos, len(GOLDEN_TOKENS), 'cache')   # (1, K), (1, K, vocab)
+    top2 = logits.topk(2, dim=-1).values
+    assert (top2[..., 0] - top2[..., 1]).min() > GOLDEN_MARGIN
+    assert tokens[0].tolist() == GOLDEN_TOKENS
+
+
+# =============================================================================
+# 3. model.py: the models against written-out references, their other masks, decoding,
+# accounting, configuration
+
+def test_mixings_and_mlps_match_their_formulas():
+    """n_convs=p is sum_i GELU(tril(W_i) x + b_i) (the author's parallel convolutions), not one flat
+    tril(W) x + b; a softmax mixing's rows are distributions over the past; gpt's MLP uses GPT-1's
+    tanh GELU, the mixer's the exact one."""
+    par, flat = make(tiny(n_convs=2)), make(tiny())
+    sd = par.state_dict()  # the flat mixer whose W and b are the sums of the two mixings'
+    flat.load_state_dict({k: sd[k] if k in sd else sd[k.replace('mix.', 'mix.0.')]
+                          + sd[k.replace('mix.', 'mix.1.')] for k in flat.state_dict()})
+    idx = torch.randint(0, V, (2, N))
+    assert (par(idx)[0] - flat(idx)[0]).abs().max() > 1e-3
+    mix, one = par.backbone.blocks[0].mixers[0].mix, flat.backbone.blocks[0].mixers[0].mix
+    x = torch.randn(2, 1, N, D, dtype=torch.float64)
+    w, b = [m.weight[0].tril() for m in mix], [m.bias[0] for m in mix]    # (N, N), (N, 1) each
+    assert torch.allclose(mix(x)[:, 0], sum(F.gelu(w[i] @ x[:, 0] + b[i]) for i in range(2)))
+    assert torch.allclose(one(x)[:, 0], one.weight[0].tril() @ x[:, 0] + one.bias[0])
+    soft = make(tiny(softmax=True)).backbone.blocks[0].mixers[0].mix
+    m = soft(torch.eye(N, dtype=torch.float64)[None, None])[0, 0] - soft.bias[0]  # (n_out, n_in) rows
+    assert torch.allclose(m.sum(-1), torch.ones(N, dtype=m.dtype))
+    assert torch.count_nonzero(m.triu(1)) == 0 and (m.tril() > 0).sum() == N * (N + 1) // 2
+    x = torch.randn(3, D, dtype=torch.float64)
+    for arch, approx in (('gpt', 'tanh'), ('mixer', 'none')):
+        mlp = make(tiny(arch=arch)).backbone.blocks[0].ffn
+        assert torch.equal(mlp(x), mlp.out(F.gelu(mlp.fc(x), approximate=approx)))
+    gelu_tanh = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    assert torch.allclose(F.gelu(x, approximate='tanh'), gelu_tanh)
+
+
+@pytest.mark.parametrize('variant', [dict(), dict(kernel=3), dict(n_heads=2, kernel=3), dict(softmax=True),
+                                     dict(expansion=2.0), dict(expansion=0.5), dict(n_convs=3), dict(arch='hybrid'),
+                                     dict(arch='gmlp')], ids=name)
+def test_masked_weights_get_exactly_zero_gradient(variant):
+    """Above the diagonal a mixing weight gets no gradient; every allowed entry that is read gets one.
+    param_counts' mixing_effective (no masked entries, no never-read hidden rows) counts just those."""
+    model = make(tiny(**variant))
+    counts = bench.param_counts(model)
+    model(torch.randint(0, V, (2, N)), torch.randint(0, V, (2, N)))[1].backward()
+    mixings = [m for m in model.modules() if isinstance(m, M.Mixing)]
+    for mix in mixings:
+        keep = M.allowed('causal', mix.weight, 0)             # (n_out, n_in)
+        g = mix.weight.grad                                   # (H, n_out, n_in) or (H, k, n_out, n_in)
+        assert torch.count_nonzero(g * ~keep) == 0
+        used = keep.clone()
+        used[N:] = False          # e > 1: hidden rows past n_ctx are never read, so they get no gradient
+        used[0] &= not mix.softmax  # a softmax over one allowed entry is the constant 1
+        assert torch.count_nonzero(g * used) == used.sum() * g[..., 0, 0].numel()
+    params = {id(p): p for m in model.modules() if isinstance(m, (M.TokenMixing, M.Mixing, M.Attention))
+              for p in m.parameters()}
+    assert sum(p.numel() for p in params.values()) == counts['mixing']
+    constant = sum(m.weight[..., 0, 0].numel() for m in mixings if m.softmax)
+    assert sum(int(torch.count_nonzero(p.grad)) for p in params.values()) == counts['mixing_effective'] - constant
+    assert variant or counts['mixing_effective'] == 2 * (N * (N + 1) // 2 + N)   # a tril and its bias per layer
 
 
 @pytest.mark.parametrize('objective,arch,T', [('clm', 'mixer', N), ('mtp2', 'mixer', N), ('mtp2', 'llama', N),
@@ -170,32 +251,6 @@ def test_objective_targets():
     assert torch.equal(M.objective_targets('clm', x, y, mask), y)
     assert M.objective_targets('autoencoder', x, y, mask).tolist() == [[0, 1, 2, 3, 4, 5, -1, -1]]
     assert M.objective_targets('half', x, y, mask).tolist() == [[-1, -1, -1, -1, 4, 5, -1, -1]]
-
-
-@pytest.mark.parametrize('variant', [dict(), dict(kernel=3), dict(n_heads=2, kernel=3), dict(softmax=True),
-                                     dict(expansion=2.0), dict(expansion=0.5), dict(n_convs=3), dict(arch='hybrid'),
-                                     dict(arch='gmlp')], ids=name)
-def test_masked_weights_get_exactly_zero_gradient(variant):
-    """Above the diagonal a mixing weight gets no gradient; every allowed entry that is read gets one.
-    param_counts' mixing_effective (no masked entries, no never-read hidden rows) counts just those."""
-    model = make(tiny(**variant))
-    counts = bench.param_counts(model)
-    model(torch.randint(0, V, (2, N)), torch.randint(0, V, (2, N)))[1].backward()
-    mixings = [m for m in model.modules() if isinstance(m, M.Mixing)]
-    for mix in mixings:
-        keep = M.allowed('causal', mix.weight, 0)             # (n_out, n_in)
-        g = mix.weight.grad                                   # (H, n_out, n_in) or (H, k, n_out, n_in)
-        assert torch.count_nonzero(g * ~keep) == 0
-        used = keep.clone()
-        used[N:] = False          # e > 1: hidden rows past n_ctx are never read, so they get no gradient
-        used[0] &= not mix.softmax  # a softmax over one allowed entry is the constant 1
-        assert torch.count_nonzero(g * used) == used.sum() * g[..., 0, 0].numel()
-    params = {id(p): p for m in model.modules() if isinstance(m, (M.TokenMixing, M.Mixing, M.Attention))
-              for p in m.parameters()}
-    assert sum(p.numel() for p in params.values()) == counts['mixing']
-    constant = sum(m.weight[..., 0, 0].numel() for m in mixings if m.softmax)
-    assert sum(int(torch.count_nonzero(p.grad)) for p in params.values()) == counts['mixing_effective'] - constant
-    assert variant or counts['mixing_effective'] == 2 * (N * (N + 1) // 2 + N)   # a tril and its bias per layer
 
 
 def test_expanded_mixer_below_one_loses_tokens():
@@ -235,165 +290,6 @@ def test_autoencoder_sees_input_only_through_its_embedding(arch):
     other = idx.clone()
     other[:, 0] = (idx[:, 0] + 1) % V
     assert not torch.equal(model.encode(other), z)
-
-
-# =============================================================================
-# 2. decoding: model.stream / generate
-
-VOCAB, N_CTX = 97, 16
-
-
-def tiny_model(n_ctx=N_CTX, **kw):
-    return perturbed(ModelConfig(vocab_size=VOCAB, n_ctx=n_ctx, d_model=32, n_layers=2, **kw), 0.1).eval()
-
-
-def prompt(length, seed=1, batch=2):
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def decode(model, idx, steps, method, **kw):
-    """Greedy by default: (tokens (B, steps), logits (B, steps, vocab)) from model.stream."""
-    toks, logits = zip(*model.stream(idx, steps, method=method, **{'temperature': 0.0, **kw}))
-    return torch.stack(toks, 1), torch.stack(logits, 1)
-
-
-@pytest.mark.parametrize('variant', VARIANTS, ids=name)
-def test_window_equals_cache_equals_full_forward(variant):
-    """The paper's window (re-run whole each step), the cache (one position a step) and the training
-    forward: the same greedy tokens for 2.5 windows (both slide alike), the same logits in the first."""
-    model = tiny_model(**variant)
-    idx = prompt(5)
-    tok_w, logit_w = decode(model, idx, 2 * N_CTX + N_CTX // 2, 'window')
-    tok_c, logit_c = decode(model, idx, 2 * N_CTX + N_CTX // 2, 'cache')
-    assert torch.equal(tok_w, tok_c) and len(tok_c.unique()) > 3    # > 3: not a trivial comparison
-    torch.testing.assert_close(logit_c, logit_w, atol=1e-4, rtol=0)
-    full, _ = model(torch.cat([idx, tok_c[:, :N_CTX - 5]], 1))      # (B, N_CTX, vocab)
-    torch.testing.assert_close(logit_c[:, :N_CTX - 5], full[:, 4:-1], atol=1e-4, rtol=0)
-
-
-@pytest.mark.parametrize('variant', VARIANTS, ids=name)
-def test_decode_layout_changes_strides_not_tokens(variant):
-    """decode_layout (sample.py and bench.py call it) stores wide Linear weights column-major for
-    faster batch-1 GEMVs: the same greedy tokens, logits equal up to summation order."""
-    model = tiny_model(**variant)
-    idx = prompt(5)
-    before = decode(model, idx, N_CTX, 'cache')
-    sample.decode_layout(model)
-    wide = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features > m.in_features]
-    assert wide and all(w.t().is_contiguous() for w in wide)
-    after = decode(model, idx, N_CTX, 'cache')
-    assert torch.equal(before[0], after[0])
-    torch.testing.assert_close(before[1], after[1], atol=1e-5, rtol=1e-6)
-
-
-@pytest.mark.parametrize('arch', ['mixer', 'llama'])
-def test_compiled_decode_step_traces_once_for_all_positions(arch):
-    """A compiled model.step: one dynamic-shape graph for every position, the same tokens and logits.
-    The 'eager' backend checks the tracing in seconds; inductor's code is left to bench.py --compile."""
-    from torch._dynamo.utils import counters
-    model = tiny_model(arch=arch)
-    torch._dynamo.reset()
-    counters.clear()
-    step = torch.compile(model.step, dynamic=True, backend='eager')
-    steps = N_CTX + N_CTX // 2                                      # through a slide
-    tok_c, logit_c = decode(model, prompt(5), steps, 'cache', step=step)
-    tok_e, logit_e = decode(model, prompt(5), steps, 'cache')
-    assert torch.equal(tok_c, tok_e) and torch.equal(logit_c, logit_e)
-    assert 1 <= counters['stats']['unique_graphs'] <= 2, dict(counters['stats'])  # not one per position
-    torch._dynamo.reset()
-
-
-def test_compiled_decode_step_freezes_each_models_weights():
-    """sample.compiled_step on CPU: inductor with the weights frozen in as constants (max-autotune's own GEMVs).
-    Two models compiled side by side each decode their own eager tokens; changed weights are refused."""
-    torch._dynamo.reset()
-    models = [perturbed(ModelConfig(vocab_size=VOCAB, n_ctx=N_CTX, d_model=16, n_layers=1), 0.1, seed).eval()
-              for seed in (0, 1)]
-    with torch._inductor.config.patch(max_autotune_gemm_backends='CPP'):  # one choice: no timing runs
-        steps = [sample.compiled_step(model) for model in models]
-        for _ in range(2):  # the second round runs each model's graph again, after the other's compile
-            for model, step in zip(models, steps):
-                tok_c, logit_c = decode(model, prompt(5), 6, 'cache', step=step)
-                tok_e, logit_e = decode(model, prompt(5), 6, 'cache')
-                assert torch.equal(tok_c, tok_e)
-                torch.testing.assert_close(logit_c, logit_e, atol=1e-5, rtol=1e-5)
-    with torch.no_grad():
-        models[0].lm_head.weight.add_(1.0)
-    with pytest.raises(ValueError, match='weights changed'):
-        decode(models[0], prompt(5), 2, 'cache', step=steps[0])
-    torch._dynamo.reset()
-
-
-def test_elita_recurrent_equals_parallel_across_scan_blocks():
-    """ELiTA's O(1)-state recurrence equals its blockwise scan, from a prompt spanning a block boundary."""
-    model = tiny_model(arch='elita', n_ctx=2 * M.ELITA_CHUNK + 22)
-    idx = prompt(M.ELITA_CHUNK + 5, batch=1)
-    tokens, logits = decode(model, idx, model.cfg.n_ctx - idx.shape[1], 'cache')
-    full, _ = model(torch.cat([idx, tokens], 1))
-    torch.testing.assert_close(logits, full[:, idx.shape[1] - 1:-1], atol=1e-4, rtol=0)
-
-
-@pytest.mark.parametrize('method', ['window', 'cache'])
-def test_slide_reencodes_last_half_window(method):
-    """Once the window is full, the next token comes from the last n_ctx/2 tokens placed at the
-    window start (checked against a fresh generation from them); a long prompt keeps its last window."""
-    model = tiny_model(arch='mixer', kernel=3)
-    seq = model.generate(prompt(4, batch=1), N_CTX + 3, temperature=0, method=method)
-    for i in (N_CTX + 1, N_CTX + 2):                               # positions after a slide
-        assert model.generate(seq[:, N_CTX + 1 - N_CTX // 2:i], 1, temperature=0, method=method)[0, -1] == seq[0, i]
-    long = prompt(N_CTX + 7, batch=1)
-    a, b = (model.generate(p, 4, temperature=0, method=method)[:, -4:] for p in (long, long[:, -N_CTX:]))
-    assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize('method', ['window', 'cache'])
-def test_same_seed_same_sample(method):
-    model = tiny_model(arch='mixer', n_heads=2)
-    kw = dict(temperature=0.9, top_k=20, top_p=0.95, method=method)
-    runs = [model.generate(prompt(3), 24, generator=torch.Generator().manual_seed(s), **kw) for s in (7, 7, 8)]
-    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
-
-
-def test_sampling_filters():
-    """top_k=1 and a tiny top_p are greedy; every top_k sample lies in the k best logits."""
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(64, VOCAB, generator=g)
-    assert torch.equal(M.sample_token(logits, 1.0, top_k=1, generator=g), logits.argmax(-1))
-    assert torch.equal(M.sample_token(logits, 1.0, top_p=1e-6, generator=g), logits.argmax(-1))
-    best5 = logits.topk(5, dim=-1).indices
-    for _ in range(10):
-        assert (best5 == M.sample_token(logits, 2.0, top_k=5, generator=g)[:, None]).any(-1).all()
-    assert len(M.sample_token(logits, 5.0, generator=g).unique()) > 10  # no filter: spread out
-
-
-# =============================================================================
-# 3. the models against written-out references; accounting; configuration
-
-def test_mixings_and_mlps_match_their_formulas():
-    """n_convs=p is sum_i GELU(tril(W_i) x + b_i) (the author's parallel convolutions), not one flat
-    tril(W) x + b; a softmax mixing's rows are distributions over the past; gpt's MLP uses GPT-1's
-    tanh GELU, the mixer's the exact one."""
-    par, flat = make(tiny(n_convs=2)), make(tiny())
-    sd = par.state_dict()  # the flat mixer whose W and b are the sums of the two mixings'
-    flat.load_state_dict({k: sd[k] if k in sd else sd[k.replace('mix.', 'mix.0.')]
-                          + sd[k.replace('mix.', 'mix.1.')] for k in flat.state_dict()})
-    idx = torch.randint(0, V, (2, N))
-    assert (par(idx)[0] - flat(idx)[0]).abs().max() > 1e-3
-    mix, one = par.backbone.blocks[0].mixers[0].mix, flat.backbone.blocks[0].mixers[0].mix
-    x = torch.randn(2, 1, N, D, dtype=torch.float64)
-    w, b = [m.weight[0].tril() for m in mix], [m.bias[0] for m in mix]    # (N, N), (N, 1) each
-    assert torch.allclose(mix(x)[:, 0], sum(F.gelu(w[i] @ x[:, 0] + b[i]) for i in range(2)))
-    assert torch.allclose(one(x)[:, 0], one.weight[0].tril() @ x[:, 0] + one.bias[0])
-    soft = make(tiny(softmax=True)).backbone.blocks[0].mixers[0].mix
-    m = soft(torch.eye(N, dtype=torch.float64)[None, None])[0, 0] - soft.bias[0]  # (n_out, n_in) rows
-    assert torch.allclose(m.sum(-1), torch.ones(N, dtype=m.dtype))
-    assert torch.count_nonzero(m.triu(1)) == 0 and (m.tril() > 0).sum() == N * (N + 1) // 2
-    x = torch.randn(3, D, dtype=torch.float64)
-    for arch, approx in (('gpt', 'tanh'), ('mixer', 'none')):
-        mlp = make(tiny(arch=arch)).backbone.blocks[0].ffn
-        assert torch.equal(mlp(x), mlp.out(F.gelu(mlp.fc(x), approximate=approx)))
-    gelu_tanh = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
-    assert torch.allclose(F.gelu(x, approximate='tanh'), gelu_tanh)
 
 
 def reference_attention(x, attn, mask=None):
@@ -519,6 +415,48 @@ def test_retrieval_mixer_only_position_dependence_is_its_mixing_weights():
     assert torch.allclose(net(x[:, perm])[0], logits[:, perm[1:] - 1])
 
 
+def test_elita_recurrent_equals_parallel_across_scan_blocks():
+    """ELiTA's O(1)-state recurrence equals its blockwise scan, from a prompt spanning a block boundary."""
+    model = tiny_model(arch='elita', n_ctx=2 * M.ELITA_CHUNK + 22)
+    idx = prompt(M.ELITA_CHUNK + 5, batch=1)
+    tokens, logits = decode(model, idx, model.cfg.n_ctx - idx.shape[1], 'cache')
+    full, _ = model(torch.cat([idx, tokens], 1))
+    torch.testing.assert_close(logits, full[:, idx.shape[1] - 1:-1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize('method', ['window', 'cache'])
+def test_slide_reencodes_last_half_window(method):
+    """Once the window is full, the next token comes from the last n_ctx/2 tokens placed at the
+    window start (checked against a fresh generation from them); a long prompt keeps its last window."""
+    model = tiny_model(arch='mixer', kernel=3)
+    seq = model.generate(prompt(4, batch=1), N_CTX + 3, temperature=0, method=method)
+    for i in (N_CTX + 1, N_CTX + 2):                               # positions after a slide
+        assert model.generate(seq[:, N_CTX + 1 - N_CTX // 2:i], 1, temperature=0, method=method)[0, -1] == seq[0, i]
+    long = prompt(N_CTX + 7, batch=1)
+    a, b = (model.generate(p, 4, temperature=0, method=method)[:, -4:] for p in (long, long[:, -N_CTX:]))
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize('method', ['window', 'cache'])
+def test_same_seed_same_sample(method):
+    model = tiny_model(arch='mixer', n_heads=2)
+    kw = dict(temperature=0.9, top_k=20, top_p=0.95, method=method)
+    runs = [model.generate(prompt(3), 24, generator=torch.Generator().manual_seed(s), **kw) for s in (7, 7, 8)]
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+
+
+def test_sampling_filters():
+    """top_k=1 and a tiny top_p are greedy; every top_k sample lies in the k best logits."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, VOCAB, generator=g)
+    assert torch.equal(M.sample_token(logits, 1.0, top_k=1, generator=g), logits.argmax(-1))
+    assert torch.equal(M.sample_token(logits, 1.0, top_p=1e-6, generator=g), logits.argmax(-1))
+    best5 = logits.topk(5, dim=-1).indices
+    for _ in range(10):
+        assert (best5 == M.sample_token(logits, 2.0, top_k=5, generator=g)[:, None]).any(-1).all()
+    assert len(M.sample_token(logits, 5.0, generator=g).unique()) > 10  # no filter: spread out
+
+
 def test_checkpoints_of_the_older_layout_are_refused_in_one_line(tmp_path):
     """Weights saved when blocks were lists of sublayers ('blocks.0.layers.0...') are not
     migrated: loading them names the commit that reads them."""
@@ -639,530 +577,7 @@ def test_bad_inputs_are_value_errors():
 
 
 # =============================================================================
-# the scripts' shared fixtures: a tiny corpus prepared by prepare.py, a tiny mixer trained on it by train.py
-
-TINY = ['--d_model=32', '--n_layers=2', '--n_ctx=32', '--batch_size=4', '--eval_iters=2', '--log_interval=5',
-        '--warmup_iters=0', '--lr=1e-2', '--device=cpu']  # the CPU's numbers on a GPU machine too (section 10: CUDA)
-ENV = dict(os.environ, OMP_NUM_THREADS='1')
-
-
-@pytest.fixture(scope='module')
-def data(tmp_path_factory):
-    """A tiny Python-like corpus tokenized by prepare.py (its `text` dataset, 300-token BPE)."""
-    root = tmp_path_factory.mktemp('corpus')
-    docs = [''.join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n\n" for j in range(1 + i % 7)) for i in range(150)]
-    (root / 'corpus.txt').write_text('\n<|endoftext|>\n'.join(docs))
-    assert prepare.main(['text', f'--input={root}/corpus.txt', f'--out_dir={root}/data', '--vocab_size=300']) == 0
-    return f'{root}/data'
-
-
-@pytest.fixture(scope='module')
-def trained(data, tmp_path_factory):
-    """The out_dir of a tiny mixer trained for 25 steps on `data`."""
-    out = tmp_path_factory.mktemp('trained')
-    assert train.main([f'--data_dir={data}', f'--out_dir={out}', *TINY, '--batch_size=8', '--max_iters=25',
-                       '--lr=3e-3', '--warmup_iters=2', '--eval_interval=25', '--eval_iters=1']) == 0
-    return out
-
-
-def train_run(data, out, *extra):
-    return train.main([f'--data_dir={data}', f'--out_dir={out}', *TINY, *extra])
-
-
-def records(out_dir, key):
-    return [r for r in map(json.loads, open(os.path.join(out_dir, 'log.jsonl'))) if key in r]
-
-
-def weights(out_dir, name='ckpt.pt'):
-    return torch.load(os.path.join(out_dir, name), map_location='cpu', weights_only=True)
-
-
-def run_main(capsys, script, *argv):
-    """(exit status, stdout, stderr) of a script's main(argv), as a user would see them."""
-    try:
-        code = MAINS[script]([str(a) for a in argv])
-    except SystemExit as e:  # bench.main exits
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def refused(capsys, script, argv, culprit, keep=()):
-    """script's main refuses argv: status 2, one `error:` line (the last on stderr) naming the culprit,
-    no traceback, and every file under the folders in keep unchanged (none added)."""
-    tree = lambda folder: {os.path.join(d, n): open(os.path.join(d, n), 'rb').read()  # noqa: E731
-                           for d, _, names in os.walk(folder) for n in names}
-    before = [tree(k) for k in keep]
-    code, out, err = run_main(capsys, script, *argv)
-    lines = err.strip().splitlines()
-    errors = [line for line in lines if line.startswith('error:')]
-    assert code == 2 and errors == lines[-1:] and 'Traceback' not in err, (code, err)
-    assert culprit in errors[0], (culprit, errors[0])
-    assert [tree(k) for k in keep] == before
-
-
-def without_paths(text):
-    return re.sub(r'\S*/\S*', '', text)
-
-
-# =============================================================================
-# 4. sample.py
-
-def test_cli_seeds_batches_and_prompts(trained, data, tmp_path, capsys):
-    """Same seed, same sample (from out_dir's best.pt); --num_samples=N decodes N rows in one batch,
-    different at temperature 1, each the batch-1 sample when greedy. No prompt starts from BOS; FILE:
-    reads a file; a long prompt keeps its last n_ctx - 1 tokens, announced."""
-    argv = [f'--out_dir={trained}', '--prompt=def f1_', '--max_new_tokens=40', '--seed=3']
-    code, out, err = run_main(capsys, 'sample', *argv)
-    assert code == 0 and 'best.pt' in err and out.startswith('def f1_') and len(out) > len('def f1_\n')
-    assert run_main(capsys, 'sample', *argv)[1] == out and run_main(capsys, 'sample', *argv[:-1], '--seed=4')[1] != out
-    two = run_main(capsys, 'sample', *argv, '--num_samples=2')[1]
-    first, second = two.split('\n' + '-' * 40 + '\n')
-    assert first.startswith('def f1_') and second.startswith('def f1_') and first != second
-    assert run_main(capsys, 'sample', *argv, '--num_samples=2')[1] == two
-    one = run_main(capsys, 'sample', *argv, '--temperature=0')[1]
-    three = run_main(capsys, 'sample', *argv, '--temperature=0', '--num_samples=3')[1]
-    assert three == (one + '-' * 40 + '\n') * 2 + one
-    code, out, err = run_main(capsys, 'sample', f'--out_dir={trained}', '--max_new_tokens=10')
-    assert code == 0 and out.strip()
-    (tmp_path / 'p.txt').write_text('def f7_1(x):\n')
-    code, out, _ = run_main(capsys, 'sample', f'--out_dir={trained}', f'--prompt=FILE:{tmp_path}/p.txt',
-                            '--max_new_tokens=5')
-    assert code == 0 and out.startswith('def f7_1(x):\n')
-    long = 'def f3_1(x):\n    return x\n' * 40
-    code, out, err = run_main(capsys, 'sample', f'--out_dir={trained}', f'--prompt={long}', '--max_new_tokens=5')
-    assert code == 0 and '31' in without_paths(err)
-    tok = Tokenizer.from_dir(data)
-    kept = tok.decode(tok.encode(long)[-31:])
-    assert long.endswith(kept) and out.startswith(kept) and len(out) > len(kept) + 1
-
-
-@pytest.mark.parametrize('native', [False, True], ids=['avx2', 'native-bf16'])
-@pytest.mark.parametrize('arch', ['mixer', 'llama'])
-def test_cli_greedy_window_equals_cache(arch, native, trained, tmp_path, monkeypatch, capsys):
-    """Through the CLI at the default flags and past the 32-token window, on either kind of CPU
-    (mocked): the trained mixer, and a llama checkpoint (fresh weights) with its KV cache and
-    without. The bfloat16 weights path runs too."""
-    cpu_kind(monkeypatch, native)
-    ckpt = trained / 'ckpt.pt'
-    if arch == 'llama':
-        saved = train.load_checkpoint(ckpt)
-        cfg = ModelConfig(**{**saved['model_config'], 'arch': 'llama'})
-        ckpt = tmp_path / 'llama.pt'
-        train.save_checkpoint({**saved, 'model_config': dataclasses.asdict(cfg),
-                               'model': perturbed(cfg, 0.2).state_dict()}, ckpt)
-    argv = [f'--ckpt={ckpt}', '--prompt=def f2_1(x):', '--max_new_tokens=70', '--temperature=0']
-    code, cached, _ = run_main(capsys, 'sample', *argv)
-    assert code == 0 and len(cached) > len('def f2_1(x):\n')
-    assert run_main(capsys, 'sample', *argv, '--method=window')[1] == cached
-    code, out, _ = run_main(capsys, 'sample', *argv, '--dtype=bfloat16')
-    assert code == 0 and out.startswith('def f2_1(x):') and len(out) > len(cached) // 2
-
-
-def test_sample_run_from_the_shell_exits_2_without_traceback():
-    r = subprocess.run([sys.executable, 'sample.py', '--ckpt=/nonexistent/ckpt.pt'], capture_output=True, text=True,
-                       cwd=HERE)
-    assert r.returncode == 2 and r.stderr.startswith('error: ') and '/nonexistent/ckpt.pt' in r.stderr
-    assert 'Traceback' not in r.stderr
-
-
-def test_sample_compile_keeps_the_terminal_clean(data, tmp_path, capsys):
-    """sample.py --compile, first use (an empty inductor cache, so max-autotune times its kernels):
-    no autotune tables on stderr, the compile time on a line of its own, then the usual tokens/s
-    line, and the eager run's text. Costs ~30-60 s on 2 busy cores (inductor builds C++ kernels)."""
-    ckpt = make_ckpt(tmp_path / 'tiny.pt', data, d_model=16, n_layers=1)
-    argv = [f'--ckpt={ckpt}', '--prompt=def f', '--max_new_tokens=6', '--temperature=0']
-    eager = run_main(capsys, 'sample', *argv)[1]
-    fresh = dict(ENV, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / 'inductor'))
-    r = subprocess.run([sys.executable, 'sample.py', *argv, '--compile'], capture_output=True,
-                       text=True, cwd=HERE, env=fresh, timeout=600)
-    lines = r.stderr.splitlines()
-    assert r.returncode == 0 and len(lines) == 3 and lines[0].startswith('sampling from'), r.stderr
-    assert re.fullmatch(r'compiled the cached step in \d+\.\d s .*', lines[1]), r.stderr
-    assert re.fullmatch(r'\d+ tokens .* in \d+\.\d+ s \(\d+\.\d tokens/s\)', lines[2]), r.stderr
-    assert r.stdout == eager
-
-
-def test_stream_prints_whole_characters_and_each_row_stops_at_its_eos(capsys):
-    """Tokens are UTF-8 bytes here, so a character can span tokens (as with byte-fallback BPE pieces):
-    no U+FFFD pieces of it print; nothing after a row's end of document (the batch stops when all rows
-    have); a sample ending inside a character prints all it decodes to."""
-    text, eos, x = 'naïve ✓ 😀!', 256, ord('x')
-    tok = types.SimpleNamespace(eos_id=eos, decode=lambda ids: bytes(i for i in ids if i < 256).decode(
-        'utf-8', errors='replace'))
-
-    def write(rows, prompt, *argv):
-        def stream(idx, max_new_tokens, **kw):  # one fixed row per sequence, whatever the sampling arguments
-            assert len(idx) == len(rows)
-            for step in zip(*rows):
-                yield torch.tensor(step), None
-        return sample.write_samples(types.SimpleNamespace(stream=stream), tok, list(prompt),
-                                    sample.parse_args(['--max_new_tokens=100', *argv]), torch.Generator())
-    assert write([list(text.encode()) + [eos, x]], b'') == len(text.encode())
-    assert capsys.readouterr().out == text + '\n'
-    write([list(b'ok\xe2\x9c')], b'>')
-    assert capsys.readouterr().out == '>ok\ufffd\n'
-    rows = [list(b'ab') + [eos, x, x, x], list(b'abcd') + [eos, x], list(b'a') + [eos, x, x, x, x]]
-    assert write(rows, b'>', '--num_samples=3') == 2 + 4 + 1
-    assert capsys.readouterr().out == '\n'.join(['>ab', '-' * 40, '>abcd', '-' * 40, '>a', ''])
-
-
-# =============================================================================
-# 5. prepare.py
-
-def read_folder(out):
-    """meta, documents and pairs of a prepared folder, checked against meta.json: every document is
-    BOS ... EOS at its recorded offset, every count and id agrees."""
-    meta = json.load(open(os.path.join(out, 'meta.json')))
-    assert meta['dtype'] == ('uint16' if meta['vocab_size'] < 65536 else 'uint32')
-    tok, keys = Tokenizer.from_dir(out), ('vocab_size', 'bos_id', 'eos_id', 'pad_id')
-    assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == tuple(meta[k] for k in keys)
-    assert all(isinstance(meta[k], int) for k in keys)
-    docs, pairs = {}, {}
-    for s in ('train', 'val'):
-        path = os.path.join(out, f'{s}.bin')  # np.memmap refuses empty files (a tiny corpus may have no val)
-        ids = np.memmap(path, dtype=meta['dtype'], mode='r') if os.path.getsize(path) else np.zeros(0, meta['dtype'])
-        starts = np.load(os.path.join(out, f'{s}_docs.npy'))
-        assert starts.dtype == np.int64 and len(ids) == meta[f'{s}_tokens'] and len(starts) == meta[f'{s}_docs']
-        ends = np.append(starts[1:], len(ids))
-        if len(starts):
-            assert starts[0] == 0 and np.all(ends > starts + 1) and ids.max() < meta['vocab_size']
-            assert np.all(ids[starts] == meta['bos_id']) and np.all(ids[ends - 1] == meta['eos_id'])
-        docs[s] = [tok.decode(ids[a:b]) for a, b in zip(starts, ends)]
-        if f'n_pairs_{s}' in meta:
-            pairs[s] = [json.loads(line) for line in open(os.path.join(out, f'pairs_{s}.jsonl'), encoding='utf-8')]
-            assert len(pairs[s]) == meta[f'n_pairs_{s}']
-            assert all(set(p) == {'query', 'target'} and p['query'] and p['target'] for p in pairs[s])
-    return meta, docs, pairs
-
-
-@pytest.fixture(scope='module')
-def stdlib_dir(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp('pystdlib'))
-    assert prepare.main(['pystdlib', '--max_docs=150', '--vocab_size=400', f'--out_dir={out}']) == 0
-    return out
-
-
-def test_pystdlib_subset_agrees_with_meta_and_splits_by_module(stdlib_dir, capsys):
-    """Every document is one module, verbatim, in its hash-assigned split; docstring pairs follow
-    the module split; an unchanged rerun is a no-op that touches no file."""
-    meta, docs, pairs = read_folder(stdlib_dir)
-    assert meta['dataset'] == 'pystdlib' and meta['vocab_size'] == 400 and meta['train_docs'] == 150
-    assert meta['val_docs'] > 0 and meta['source']['python'] == platform.python_version()
-    assert meta['source']['files'] == meta['train_docs'] + meta['val_docs']
-    root, files = prepare.stdlib_files()
-    assert not any(part in ('test', 'tests', 'site-packages') for f in files for part in f.split('/')[:-1])
-    sources = {open(os.path.join(root, f), encoding='utf-8').read(): f for f in files[:400]}
-    assert all(prepare.split_of(sources[d], 0.05) == s for s in docs for d in docs[s])
-    # no val module's code among the train targets (a few small helpers exist verbatim in two
-    # modules, e.g. asyncio's write_eof, so compare against what train modules hold)
-    from_val = {t for d in docs['val'] for _, t in docstring_pairs(d)}
-    from_train = {t for d in docs['train'] for _, t in docstring_pairs(d)}
-    train_targets = {p['target'] for p in pairs['train']}
-    assert from_val == {p['target'] for p in pairs['val']} and from_val and train_targets == from_train
-    assert not train_targets & (from_val - from_train)
-    mtimes = lambda: {n: os.stat(os.path.join(stdlib_dir, n)).st_mtime_ns for n in os.listdir(stdlib_dir)}  # noqa: E731
-    before = mtimes()
-    assert prepare.main(['pystdlib', '--max_docs=150', '--vocab_size=400', f'--out_dir={stdlib_dir}']) == 0
-    assert 'up to date' in capsys.readouterr().out and mtimes() == before
-
-
-def test_tokenizer_round_trips_any_text(stdlib_dir, tmp_path):
-    tok = Tokenizer.from_dir(stdlib_dir)
-    texts = ['naïve café, Ærøskøbing', 'emoji 🎉🚀 👩‍👩‍👧 ✔️', '中文字符 ∀x∈ℝ: x² ≥ 0', 'ʘ‿ʘ ☃ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢',
-             '  lead\t\ttabs\n\n  trailing  \r\n\x00\x01\x7f', '<s></s><pad><unk><|endoftext|>', '', ' ', '\n']
-    for text in texts:
-        ids = tok.encode(text)
-        assert tok.decode(ids) == text and not set(ids) & {tok.bos_id, tok.eos_id, tok.pad_id}
-    assert any(tok.sp.id_to_piece(i).startswith('<0x') for i in tok.encode('☃'))  # unseen: byte pieces, no <unk>
-    assert tok.encode('x', bos=True, eos=True) == [tok.bos_id] + tok.encode('x') + [tok.eos_id]
-    assert tok.decode([tok.bos_id, *tok.encode('hi'), tok.eos_id, tok.pad_id]) == 'hi'
-    assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
-    meta = json.load(open(os.path.join(stdlib_dir, 'meta.json')))
-    assert Tokenizer.from_meta(meta, stdlib_dir).encode('def f(): pass') == tok.encode('def f(): pass')
-    with pytest.raises(FileNotFoundError, match='meta.json'):
-        Tokenizer.from_dir(tmp_path)
-
-
-PROSE_WORDS = ('the a cat dog sun moon tree river small big red green happy quiet runs jumps sees finds '
-               'under over near bright old young garden house friend little').split()
-
-
-def prose(rng, sentences):
-    return ' '.join(' '.join(rng.choices(PROSE_WORDS, k=rng.randint(4, 12))).capitalize() + rng.choice('.!?')
-                    for _ in range(sentences))
-
-
-def prepare_cli(*argv, env=None, cwd=None):
-    """Run `python prepare.py ...` exactly as a user does."""
-    env = {**{k: v for k, v in os.environ.items() if k not in ('HF_ENDPOINT', 'HF_HUB_OFFLINE')}, **(env or {})}
-    return subprocess.run([sys.executable, os.path.join(HERE, 'prepare.py'), *argv], capture_output=True,
-                          text=True, env=env, cwd=cwd, timeout=120)
-
-
-def test_killed_mid_encode_then_rerun_matches_uninterrupted(tmp_path, stdlib_dir):
-    rng = random.Random(0)
-    (tmp_path / 'corpus').mkdir()
-    for i in range(24):  # ~6 MB: a second of encoding on 2 cores, plenty to kill it in the middle
-        (tmp_path / f'corpus/part{i:02d}.txt').write_text('\n<|endoftext|>\n'.join(prose(rng, 60) for _ in range(90)))
-    args = ['text', f'--input={tmp_path}/corpus', '--pairs=ict', f"--tokenizer={stdlib_dir}/tokenizer.model"]
-    assert prepare.main([*args, f'--out_dir={tmp_path}/a']) == 0
-    out = tmp_path / 'b'
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, 'prepare.py'), *args, f'--out_dir={out}'],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 60
-    while not (out / 'train.bin.tmp').exists() or (out / 'train.bin.tmp').stat().st_size == 0:
-        assert proc.poll() is None and time.time() < deadline, 'finished before it could be interrupted'
-        time.sleep(0.005)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (out / 'meta.json').exists() and not (out / 'train.bin').exists()  # really killed mid-encode
-    assert prepare_cli(*args, f'--out_dir={out}').returncode == 0
-    snapshot = lambda d: {n: (d / n).read_bytes() for n in sorted(os.listdir(d))}  # noqa: E731
-    assert snapshot(out) == snapshot(tmp_path / 'a')
-    meta, docs, pairs = read_folder(str(out))
-    assert meta['train_docs'] + meta['val_docs'] == 24 * 90 and pairs['train'] and pairs['val']
-
-
-FIXTURE_PY = '''\
-import functools
-
-
-@functools.cache
-def area(r):
-    """Area of a circle
-    of radius r.
-
-    Uses pi from math.
-    """
-    return 3.14159 * r * r
-
-
-class Stack:
-    """A last-in first-out stack."""
-
-    def push(self, x):
-        """Put x on top."""
-        self.items.append(x)
-
-
-def inline(): """Docstring on the def line."""
-
-
-def plain(x):
-    return x
-'''
-
-
-def test_docstring_and_ict_pairs():
-    """A docstring's first paragraph, joined, queries its code without the docstring (decorators kept);
-    an ICT query is one sentence of a 6-sentence window, its target the others, separators kept."""
-    assert docstring_pairs(FIXTURE_PY) == [
-        ('Area of a circle of radius r.', '@functools.cache\ndef area(r):\n    return 3.14159 * r * r'),
-        ('A last-in first-out stack.', 'class Stack:\n\n    def push(self, x):\n        self.items.append(x)'),
-        ('Put x on top.', 'def push(self, x):\n    self.items.append(x)')]
-    assert docstring_pairs('def broken(:\n    """Nope."""\n') == []
-    sentences = [f'Sentence number {i} has words.' for i in range(8)]
-    text = ' '.join(sentences[:4]) + '\n\n' + ' '.join(sentences[4:])
-    pairs = ict_pairs(text, 'doc')
-    assert len(pairs) == 1 and pairs == ict_pairs(text, 'doc')  # deterministic; the 2-sentence tail is too short
-    query, target = pairs[0]
-    assert query in sentences[:6] and query not in target and ('\n\n' in target or query == sentences[3])
-    assert target.split() == ' '.join(s for s in sentences[:6] if s != query).split()
-    assert ict_pairs('Too short. Only two.', 'x') == []
-
-
-def test_text_dataset_pairs(tmp_path, stdlib_dir):
-    """A folder (binary files skipped) or a glob becomes documents with their docstring or ICT pairs."""
-    (tmp_path / 'src').mkdir()
-    for i in range(12):
-        (tmp_path / f'src/mod{i}.py').write_text(FIXTURE_PY.replace('Stack', f'Stack{i}'))
-        (tmp_path / f'src/notes{i}.txt').write_text(prose(random.Random(i), 14))
-    (tmp_path / 'src/blob.bin').write_bytes(b'\0\1\2' * 100)
-    tok = f'--tokenizer={stdlib_dir}/tokenizer.model'
-    assert prepare.main(['text', f'--input={tmp_path}/src', '--pairs=docstring', tok, f'--out_dir={tmp_path}/d']) == 0
-    meta, docs, pairs = read_folder(tmp_path / 'd')
-    assert meta['train_docs'] + meta['val_docs'] == 24
-    assert sorted((p['query'], p['target']) for s in pairs for p in pairs[s]) == sorted(
-        p for i in range(12) for p in docstring_pairs(FIXTURE_PY.replace('Stack', f'Stack{i}')))
-    assert prepare.main(['text', f'--input={tmp_path}/src/*.txt', '--pairs=ict', tok, f'--out_dir={tmp_path}/i']) == 0
-    meta, docs, pairs = read_folder(tmp_path / 'i')
-    assert meta['train_docs'] + meta['val_docs'] == 12
-    key = {(tmp_path / f'src/notes{i}.txt').read_text(): f'notes{i}.txt' for i in range(12)}
-    for s in pairs:
-        assert [(p['query'], p['target']) for p in pairs[s]] == [p for d in docs[s] for p in ict_pairs(d, key[d])]
-
-
-def test_tokenizer_training_reads_only_its_sample_and_is_deterministic(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare, 'TOKENIZER_SAMPLE', 20_000)
-    pulled = []
-
-    def documents():
-        rng = random.Random(0)
-        for i in range(100_000):
-            pulled.append(i)
-            yield 'train' if i % 10 else 'val', str(i), prose(rng, 10), None
-    prepare.train_tokenizer(documents, 2, 400, tmp_path / 'a.model')
-    assert 40 < len(pulled) < 400  # ~20 kB of every other training document, not the whole stream
-    prepare.train_tokenizer(documents, 2, 400, tmp_path / 'b.model')
-    assert (tmp_path / 'a.model').read_bytes() == (tmp_path / 'b.model').read_bytes()
-
-
-def test_tiktoken_tokenizer_or_clear_offline_error(tmp_path, capsys):
-    for i in range(10):
-        (tmp_path / f'{i}.txt').write_text(f'Hello world {i}. ' * 50)
-    code, _, err = run_main(capsys, 'prepare', 'text', f'--input={tmp_path}/*.txt', '--tokenizer=gpt2',
-                            f'--out_dir={tmp_path}/out')
-    if code == 0:  # online, or the vocabulary is cached
-        meta, docs, _ = read_folder(tmp_path / 'out')
-        assert meta['tokenizer'] == {'kind': 'tiktoken', 'name': 'gpt2'} and meta['vocab_size'] == 50257
-        assert not (tmp_path / 'out/tokenizer.model').exists()
-    else:
-        assert code == 2 and len(err.strip().splitlines()) == 1 and 'gpt2' in err
-
-
-# ----------------------------------------------------------------------------- hub datasets, served locally
-
-def instruct(rng, n):
-    """TinyStories-Instruct records (text, story, fields): shuffled fields, a Summary in 3 of 4, the story last."""
-    records = []
-    for i in range(n):
-        s = prose(rng, 6) + '\n\n' + prose(rng, 4)
-        fields = ['Features: Dialogue', f'Words: {" ".join(rng.sample(PROSE_WORDS, 3))}',
-                  *([f'Summary: {prose(rng, 1)}'] if i % 4 else []), f'Random sentence: {prose(rng, 1)}']
-        rng.shuffle(fields)
-        records.append(('\n'.join(fields) + f'\nStory: \n\n{s}', s, fields))
-    return records
-
-
-@pytest.fixture(scope='module')
-def hub():
-    """A stand-in for the Hugging Face hub on 127.0.0.1: the resolve/ and tree/ endpoints huggingface_hub calls."""
-    rng = random.Random(1)
-    stories = [prose(rng, 7) + '\n\n' + prose(rng, 4) for _ in range(46)]
-    itrain, ivalid = instruct(rng, 40), instruct(rng, 8)
-    shards = [[prose(rng, 12) for _ in range(30)] for _ in range(2)]
-    eot = lambda docs: ''.join(d + '\n<|endoftext|>\n' for d in docs).encode()  # noqa: E731
-
-    def parquet(texts):
-        buf = io.BytesIO()
-        pq.write_table(pa.table({'text': texts, 'id': [str(i) for i in range(len(texts))]}), buf)
-        return buf.getvalue()
-    files = {
-        'roneneldan/TinyStories/TinyStories-train.txt': eot(stories[:40]),
-        'roneneldan/TinyStories/TinyStories-valid.txt': eot(stories[40:]),
-        'roneneldan/TinyStoriesInstruct/TinyStories-Instruct-train.txt': eot(r for r, _, _ in itrain),
-        'roneneldan/TinyStoriesInstruct/TinyStories-Instruct-valid.txt': eot(r for r, _, _ in ivalid),
-        'HuggingFaceFW/fineweb-edu/sample/10BT/000_00000.parquet': parquet(shards[0]),
-        'HuggingFaceFW/fineweb-edu/sample/10BT/001_00000.parquet': parquet(shards[1]),
-        'HuggingFaceFW/fineweb-edu/data/CC-MAIN-2024-10/000_00000.parquet': parquet(['not in the sample']),
-        'HuggingFaceTB/finemath/finemath-4plus/train-00000-of-00064.parquet': parquet(shards[1])}
-    served = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_HEAD(self):
-            self.do_GET(body=False)
-
-        def do_GET(self, body=True):
-            path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
-            served.append((self.command, path))
-            resolve = re.fullmatch(r'/datasets/([^/]+/[^/]+)/resolve/main/(.+)', path)
-            tree = re.fullmatch(r'/api/datasets/([^/]+/[^/]+)/tree/main/?(.*)', path)
-            if resolve and f'{resolve[1]}/{resolve[2]}' in files:
-                data = files[f'{resolve[1]}/{resolve[2]}']
-                headers = {'ETag': f'"{hashlib.sha256(data).hexdigest()}"', 'X-Repo-Commit': 'c0ffee' * 6 + 'abcd',
-                           'Content-Type': 'application/octet-stream'}
-            elif tree:
-                prefix = f'{tree[1]}/{tree[2]}/'.replace('//', '/')
-                data = json.dumps([{'type': 'file', 'path': k[len(tree[1]) + 1:], 'size': len(v),
-                                    'oid': hashlib.sha1(v).hexdigest()} for k, v in files.items()
-                                   if k.startswith(prefix) and '/' not in k[len(prefix):]]).encode()
-                headers = {'Content-Type': 'application/json'}
-            else:
-                data, headers = b'not found', {'X-Error-Code': 'EntryNotFound'}
-            self.send_response(200 if 'Content-Type' in headers else 404)
-            for k, v in {**headers, 'Content-Length': str(len(data))}.items():
-                self.send_header(k, v)
-            self.end_headers()
-            if body:
-                self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield dict(url=f'http://127.0.0.1:{server.server_port}', served=served, files=files, stories=stories,
-               itrain=itrain, ivalid=ivalid, shards=shards)
-    server.shutdown()
-
-
-def hub_cli(tmp_path, *argv, env=None):
-    env = {'HF_HOME': str(tmp_path / 'hf_home'), 'NO_PROXY': '127.0.0.1', 'no_proxy': '127.0.0.1', **(env or {})}
-    return prepare_cli(*argv, f'--download_dir={tmp_path}/downloads', '--vocab_size=400', cwd=tmp_path, env=env)
-
-
-def test_hub_text_datasets(tmp_path, hub):
-    """TinyStories downloads into --download_dir (--max_docs cuts train only); TinyStories-Instruct,
-    found through $HF_ENDPOINT, keeps the stories and pairs each Summary with its story."""
-    r = hub_cli(tmp_path, 'tinystories', f'--hub_url={hub["url"]}', '--max_docs=30')
-    assert r.returncode == 0, r.stderr
-    assert ('HEAD', '/datasets/roneneldan/TinyStories/resolve/main/TinyStories-train.txt') in hub['served']
-    assert (tmp_path / 'downloads/TinyStories/TinyStories-train.txt').read_bytes() == \
-        hub['files']['roneneldan/TinyStories/TinyStories-train.txt']
-    meta, docs, _ = read_folder(tmp_path / 'data/tinystories')
-    assert docs['train'] == hub['stories'][:30] and docs['val'] == hub['stories'][40:]
-    assert meta['source']['repo'] == 'roneneldan/TinyStories'
-    r = hub_cli(tmp_path, 'tinystories-instruct', env={'HF_ENDPOINT': hub['url']})
-    assert r.returncode == 0, r.stderr
-    meta, docs, pairs = read_folder(tmp_path / 'data/tinystories-instruct')
-    for split, records in (('train', hub['itrain']), ('val', hub['ivalid'])):
-        assert docs[split] == [s for _, s, _ in records]
-        summaries = [(f[len('Summary: '):], s) for _, s, fields in records for f in fields if f.startswith('Summary:')]
-        assert [(p['query'], p['target']) for p in pairs[split]] == summaries
-
-
-def test_hub_parquet_shards(tmp_path, hub):
-    """fineweb-edu reads only sample/10BT's shards, in order, stopping at --max_tokens; finemath its folder."""
-    r = hub_cli(tmp_path, 'fineweb-edu', f'--hub_url={hub["url"]}', '--pairs=ict', '--max_tokens=6000')
-    assert r.returncode == 0, r.stderr
-    meta, docs, pairs = read_folder(tmp_path / 'data/fineweb-edu')
-    texts, used = hub['shards'][0] + hub['shards'][1], docs['train'] + docs['val']
-    assert set(used) < set(texts) and sorted(used, key=texts.index) == texts[:len(used)] and len(used) > 30
-    last = len(Tokenizer.from_dir(tmp_path / 'data/fineweb-edu').encode(docs['train'][-1])) + 2
-    assert meta['train_tokens'] >= 6000 > meta['train_tokens'] - last and meta['dtype'] == 'uint16'
-    assert pairs['train'] and all(p['query'] not in p['target'] for p in pairs['train'])
-    r = hub_cli(tmp_path, 'finemath', f'--hub_url={hub["url"]}')
-    assert r.returncode == 0, r.stderr
-    meta, docs, pairs = read_folder(tmp_path / 'data/finemath')
-    assert sorted(docs['train'] + docs['val']) == sorted(hub['shards'][1]) and not pairs
-    assert meta['vocab_size'] <= 400 and meta['source']['folder'] == 'finemath-4plus'
-
-
-def test_hub_unreachable_says_what_to_download(tmp_path, hub):
-    """Out of reach, prepare fails in seconds naming each file's URL and where to put it; following
-    that works offline, and a prepared folder then reruns as a no-op without the hub."""
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        dead = f'http://127.0.0.1:{s.getsockname()[1]}'  # closed once the block ends
-    t0 = time.time()
-    r = hub_cli(tmp_path, 'tinystories', f'--hub_url={dead}')
-    assert r.returncode == 2 and time.time() - t0 < 20 and r.stderr.count('\n') == 1 and r.stderr.startswith('error: ')
-    for name in ('TinyStories-valid.txt', 'TinyStories-train.txt'):
-        wanted = tmp_path / 'downloads/TinyStories' / name
-        assert f'{dead}/datasets/roneneldan/TinyStories/resolve/main/{name}' in r.stderr and str(wanted) in r.stderr
-        wanted.parent.mkdir(parents=True, exist_ok=True)
-        wanted.write_bytes(hub['files'][f'roneneldan/TinyStories/{name}'])
-    r = hub_cli(tmp_path, 'tinystories', f'--hub_url={dead}')
-    assert r.returncode == 0 and read_folder(tmp_path / 'data/tinystories')[1]['val'] == hub['stories'][40:], r.stderr
-    r = hub_cli(tmp_path, 'tinystories', f'--hub_url={dead}')
-    assert r.returncode == 0 and 'up to date' in r.stdout
-    r = hub_cli(tmp_path, 'fineweb-edu', f'--hub_url={dead}')
-    assert r.returncode == 2 and r.stderr.count('\n') == 1 and 'sample/10BT' in r.stderr
-
-
-# =============================================================================
-# 6. train.py
+# 4. train.py
 
 LEARNS = ([(a, o, []) for a in ('mixer', 'llama', 'gpt', 'hybrid', 'gmlp', 'elita') for o in ('clm', 'mtp2', 'half')]
           + [(a, o, []) for a in ('mixer', 'llama') for o in ('autoencoder', 'bidirectional')]
@@ -1203,13 +618,6 @@ def test_document_batches(data, padding):
         hits = [p for p, end in chunks.items() if p + len(w) <= end and (stream[p:p + len(w)] == w).all()]
         assert hits and (len(w) == n + 1 or chunks[hits[0]] == hits[0] + len(w))
         assert torch.equal(x[row, real[1:]], y[row, real[:-1]])  # targets are the next tokens
-
-
-def cpu_kind(monkeypatch, native):
-    """Make this CPU answer the bf16 capability query as either kind does (AVX512-BF16/AMX:
-    native; AVX2-only: emulated), so each kind's dtype choices are tested on any machine."""
-    monkeypatch.delenv(train.NO_BF16_ENV, raising=False)
-    monkeypatch.setattr(torch.ops.mkldnn, '_is_mkldnn_bf16_supported', lambda: native)
 
 
 def test_auto_dtype_falls_back_to_float32_without_native_bf16(monkeypatch, capsys):
@@ -1264,41 +672,6 @@ def test_resume_keeps_the_recorded_dtype(data, tmp_path, monkeypatch, capsys):
     assert 'emulated' in out.err and weights(tmp_path / 'b')['dtype'] == 'bfloat16'
 
 
-def test_reading_a_checkpoint_never_picks_an_emulated_dtype(trained, tmp_path, monkeypatch, capsys):
-    """sample.py and retrieve.py read a checkpoint in the dtype it was trained in where the device
-    has it natively, else in float32: a bf16 checkpoint (from a GPU) on an AVX2 CPU runs in fp32."""
-    saved = train.load_checkpoint(trained / 'ckpt.pt')
-    for recorded in ('bfloat16', 'float32', 'float16'):
-        train.save_checkpoint({**saved, 'dtype': recorded}, tmp_path / f'{recorded}.pt')
-    cpu = torch.device('cpu')
-    f32, b16 = torch.float32, torch.bfloat16
-    for native, recorded, want in ((False, 'bfloat16', f32), (True, 'bfloat16', b16),
-                                   (True, 'float32', f32), (True, 'float16', f32)):
-        cpu_kind(monkeypatch, native)
-        ckpt = tmp_path / f'{recorded}.pt'
-        assert train.reading_dtype(cpu, 'auto', recorded)[0] == want
-        assert retrieve.Embedder(ckpt, 'cpu').dtype == want
-        code, _, err = run_main(capsys, 'sample', f'--ckpt={ckpt}', '--max_new_tokens=2',
-                                '--device=cpu')
-        assert code == 0 and 'cpu float32' in err, err              # a CPU decodes in fp32 (README)
-    assert retrieve.Embedder(tmp_path / 'bfloat16.pt', 'cpu', 'float32').dtype == torch.float32
-    for has_bf16, want in ((False, torch.float32), (True, torch.bfloat16)):   # CUDA, mocked
-        monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: has_bf16)
-        assert train.reading_dtype(torch.device('cuda'), 'auto', 'bfloat16')[0] == want
-        assert train.reading_dtype(torch.device('cuda'), 'auto', 'float16')[0] == torch.float16
-
-
-def test_sample_decodes_fp32_on_a_cpu_with_either_method(trained, monkeypatch, capsys):
-    """On a (mocked) native-bf16 CPU, auto gives both decoders fp32 weights, so --method=window and
-    --method=cache print the same text; --dtype=bfloat16 is honoured by both."""
-    cpu_kind(monkeypatch, native=True)
-    argv = [f'--ckpt={trained}/ckpt.pt', '--max_new_tokens=2', '--device=cpu']
-    for dtype, want in (([], 'cpu float32'), (['--dtype=bfloat16'], 'cpu bfloat16')):
-        for method in ('cache', 'window'):
-            code, _, err = run_main(capsys, 'sample', *argv, *dtype, f'--method={method}')
-            assert code == 0 and want in err, err
-
-
 @pytest.mark.parametrize('accum,batch,world', [(1, 16, 1), (1, 16, 2), (1, 16, 8), (4, 16, 2), (4, 8, 8), (3, 4, 2),
                                                (2, 6, 3)])
 def test_rank_pieces_cover_every_row_once(accum, batch, world):
@@ -1317,20 +690,6 @@ def test_row_shards_are_the_micro_batch(data):
         assert all(torch.equal(whole[k], torch.cat([h[k] for h in halves])) for k in (0, 1))  # inputs, targets
 
 
-def torchrun(script, argv, nproc=2):
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
-           os.path.join(HERE, script), *argv]
-    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
-    if proc.returncode:  # shown in full with the failure (an assert message would be cut short)
-        print(proc.stdout[-1500:], proc.stderr[-5000:], sep='\n')
-    assert proc.returncode == 0
-    return proc
-
-
-# DDP == one process up to summation order. Adam moves a weight by lr * m/sqrt(v), a ratio of at
-# most ~1 that a relative change d of the gradients moves by <= ~2d: k steps differ by <= 2*k*lr*d.
-# Two processes sum a gradient's n = batch_size * n_ctx = 128 terms in another order: <= 2n*2^-24 =
-# 2^-16 of the terms' magnitudes, d = 2^-8 where they cancel in a small component (3.6e-3 measured).
 DDP_ATOL = 2 * 4 * 1e-2 * 2 ** -8  # 2*k*lr*d, k = 4 steps at TINY's lr: 3.1e-4; a bug moves ~lr
 
 
@@ -1502,55 +861,198 @@ def test_lr_schedule():
 
 
 # =============================================================================
-# 7. retrieve.py: InfoNCE (eq. 7), the Algorithm 1 samplers, the many-candidate eval, indirect
-# retrieval, index/search. Pairs are written by the tests on a tokenizer prepared by prepare.py.
+# 5. sample.py (and the decoding speed-ups it holds)
 
-PAIR_WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega parse load save merge "
-              "split join sort count").split()
-
-
-def pair_texts(rng, tag):
-    """A query and its target that share two words, like a docstring and its function."""
-    a, b = rng.sample(PAIR_WORDS, 2)
-    return f"{a.capitalize()} the {b} of x.", f"def {a}_{b}_{tag}(x):\n    return {a}({b}(x)) + {tag}\n"
-
-
-def write_pairs(path, pairs):
-    path.write_text(''.join(json.dumps({'query': q, 'target': t}) + '\n' for q, t in pairs))
-
-
-def make_ckpt(path, data_dir, **kw):
-    """An untrained train.py-style checkpoint ('lm' kind) of a tiny model on data_dir's tokenizer."""
-    meta = train.load_meta(str(data_dir))
-    cfg = ModelConfig(**{**dict(n_ctx=32, d_model=32, n_layers=2), **kw, 'vocab_size': meta['vocab_size']})
-    torch.manual_seed(0)
-    train.save_checkpoint({'kind': 'lm', 'model_config': dataclasses.asdict(cfg), 'data': {'data_dir': str(data_dir),
-                           'meta': meta}, 'model': build_model(cfg).state_dict()}, str(path))
-    return str(path)
+@pytest.mark.parametrize('variant', VARIANTS, ids=name)
+def test_decode_layout_changes_strides_not_tokens(variant):
+    """decode_layout (sample.py and bench.py call it) stores wide Linear weights column-major for
+    faster batch-1 GEMVs: the same greedy tokens, logits equal up to summation order."""
+    model = tiny_model(**variant)
+    idx = prompt(5)
+    before = decode(model, idx, N_CTX, 'cache')
+    sample.decode_layout(model)
+    wide = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features > m.in_features]
+    assert wide and all(w.t().is_contiguous() for w in wide)
+    after = decode(model, idx, N_CTX, 'cache')
+    assert torch.equal(before[0], after[0])
+    torch.testing.assert_close(before[1], after[1], atol=1e-5, rtol=1e-6)
 
 
-@pytest.fixture(scope='module')
-def corpus(tmp_path_factory):
-    """A data dir with a 400-piece tokenizer, 160 training and 48 val pairs; untrained mixer, llama and
-    mixer autoencoder checkpoints on it."""
-    root = tmp_path_factory.mktemp('retrieve')
-    rng = random.Random(0)
-    pairs = [pair_texts(rng, i) for i in range(208)]
-    (root / 'src').mkdir()
-    for k in range(4):
-        (root / f'src/doc{k}.txt').write_text(''.join(q + '\n' + t + '\n' for q, t in pairs[k::4]))
-    data = root / 'data'
-    assert prepare.main(['text', f'--input={root}/src', f'--out_dir={data}', '--vocab_size=400']) == 0
-    write_pairs(data / 'pairs_train.jsonl', pairs[:160])
-    write_pairs(data / 'pairs_val.jsonl', pairs[160:])
-    return types.SimpleNamespace(root=root, data=data, mixer=make_ckpt(root / 'mixer.pt', data),
-                                 llama=make_ckpt(root / 'llama.pt', data, arch='llama'),
-                                 ae=make_ckpt(root / 'ae.pt', data, objective='autoencoder'))
+@pytest.mark.parametrize('arch', ['mixer', 'llama'])
+def test_compiled_decode_step_traces_once_for_all_positions(arch):
+    """A compiled model.step: one dynamic-shape graph for every position, the same tokens and logits.
+    The 'eager' backend checks the tracing in seconds; inductor's code is left to bench.py --compile."""
+    from torch._dynamo.utils import counters
+    model = tiny_model(arch=arch)
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(model.step, dynamic=True, backend='eager')
+    steps = N_CTX + N_CTX // 2                                      # through a slide
+    tok_c, logit_c = decode(model, prompt(5), steps, 'cache', step=step)
+    tok_e, logit_e = decode(model, prompt(5), steps, 'cache')
+    assert torch.equal(tok_c, tok_e) and torch.equal(logit_c, logit_e)
+    assert 1 <= counters['stats']['unique_graphs'] <= 2, dict(counters['stats'])  # not one per position
+    torch._dynamo.reset()
 
 
-def unit(*shape, seed=0):
-    return F.normalize(torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64), dim=-1)
+def test_compiled_decode_step_freezes_each_models_weights():
+    """sample.compiled_step on CPU: inductor with the weights frozen in as constants (max-autotune's own GEMVs).
+    Two models compiled side by side each decode their own eager tokens; changed weights are refused."""
+    torch._dynamo.reset()
+    models = [perturbed(ModelConfig(vocab_size=VOCAB, n_ctx=N_CTX, d_model=16, n_layers=1), 0.1, seed).eval()
+              for seed in (0, 1)]
+    with torch._inductor.config.patch(max_autotune_gemm_backends='CPP'):  # one choice: no timing runs
+        steps = [sample.compiled_step(model) for model in models]
+        for _ in range(2):  # the second round runs each model's graph again, after the other's compile
+            for model, step in zip(models, steps):
+                tok_c, logit_c = decode(model, prompt(5), 6, 'cache', step=step)
+                tok_e, logit_e = decode(model, prompt(5), 6, 'cache')
+                assert torch.equal(tok_c, tok_e)
+                torch.testing.assert_close(logit_c, logit_e, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        models[0].lm_head.weight.add_(1.0)
+    with pytest.raises(ValueError, match='weights changed'):
+        decode(models[0], prompt(5), 2, 'cache', step=steps[0])
+    torch._dynamo.reset()
 
+
+def test_cli_seeds_batches_and_prompts(trained, data, tmp_path, capsys):
+    """Same seed, same sample (from out_dir's best.pt); --num_samples=N decodes N rows in one batch,
+    different at temperature 1, each the batch-1 sample when greedy. No prompt starts from BOS; FILE:
+    reads a file; a long prompt keeps its last n_ctx - 1 tokens, announced."""
+    argv = [f'--out_dir={trained}', '--prompt=def f1_', '--max_new_tokens=40', '--seed=3']
+    code, out, err = run_main(capsys, 'sample', *argv)
+    assert code == 0 and 'best.pt' in err and out.startswith('def f1_') and len(out) > len('def f1_\n')
+    assert run_main(capsys, 'sample', *argv)[1] == out and run_main(capsys, 'sample', *argv[:-1], '--seed=4')[1] != out
+    two = run_main(capsys, 'sample', *argv, '--num_samples=2')[1]
+    first, second = two.split('\n' + '-' * 40 + '\n')
+    assert first.startswith('def f1_') and second.startswith('def f1_') and first != second
+    assert run_main(capsys, 'sample', *argv, '--num_samples=2')[1] == two
+    one = run_main(capsys, 'sample', *argv, '--temperature=0')[1]
+    three = run_main(capsys, 'sample', *argv, '--temperature=0', '--num_samples=3')[1]
+    assert three == (one + '-' * 40 + '\n') * 2 + one
+    code, out, err = run_main(capsys, 'sample', f'--out_dir={trained}', '--max_new_tokens=10')
+    assert code == 0 and out.strip()
+    (tmp_path / 'p.txt').write_text('def f7_1(x):\n')
+    code, out, _ = run_main(capsys, 'sample', f'--out_dir={trained}', f'--prompt=FILE:{tmp_path}/p.txt',
+                            '--max_new_tokens=5')
+    assert code == 0 and out.startswith('def f7_1(x):\n')
+    long = 'def f3_1(x):\n    return x\n' * 40
+    code, out, err = run_main(capsys, 'sample', f'--out_dir={trained}', f'--prompt={long}', '--max_new_tokens=5')
+    assert code == 0 and '31' in without_paths(err)
+    tok = Tokenizer.from_dir(data)
+    kept = tok.decode(tok.encode(long)[-31:])
+    assert long.endswith(kept) and out.startswith(kept) and len(out) > len(kept) + 1
+
+
+@pytest.mark.parametrize('native', [False, True], ids=['avx2', 'native-bf16'])
+@pytest.mark.parametrize('arch', ['mixer', 'llama'])
+def test_cli_greedy_window_equals_cache(arch, native, trained, tmp_path, monkeypatch, capsys):
+    """Through the CLI at the default flags and past the 32-token window, on either kind of CPU
+    (mocked): the trained mixer, and a llama checkpoint (fresh weights) with its KV cache and
+    without. The bfloat16 weights path runs too."""
+    cpu_kind(monkeypatch, native)
+    ckpt = trained / 'ckpt.pt'
+    if arch == 'llama':
+        saved = train.load_checkpoint(ckpt)
+        cfg = ModelConfig(**{**saved['model_config'], 'arch': 'llama'})
+        ckpt = tmp_path / 'llama.pt'
+        train.save_checkpoint({**saved, 'model_config': dataclasses.asdict(cfg),
+                               'model': perturbed(cfg, 0.2).state_dict()}, ckpt)
+    argv = [f'--ckpt={ckpt}', '--prompt=def f2_1(x):', '--max_new_tokens=70', '--temperature=0']
+    code, cached, _ = run_main(capsys, 'sample', *argv)
+    assert code == 0 and len(cached) > len('def f2_1(x):\n')
+    assert run_main(capsys, 'sample', *argv, '--method=window')[1] == cached
+    code, out, _ = run_main(capsys, 'sample', *argv, '--dtype=bfloat16')
+    assert code == 0 and out.startswith('def f2_1(x):') and len(out) > len(cached) // 2
+
+
+def test_sample_run_from_the_shell_exits_2_without_traceback():
+    r = subprocess.run([sys.executable, 'sample.py', '--ckpt=/nonexistent/ckpt.pt'], capture_output=True, text=True,
+                       cwd=HERE)
+    assert r.returncode == 2 and r.stderr.startswith('error: ') and '/nonexistent/ckpt.pt' in r.stderr
+    assert 'Traceback' not in r.stderr
+
+
+def test_sample_compile_keeps_the_terminal_clean(data, tmp_path, capsys):
+    """sample.py --compile, first use (an empty inductor cache, so max-autotune times its kernels):
+    no autotune tables on stderr, the compile time on a line of its own, then the usual tokens/s
+    line, and the eager run's text. Costs ~30-60 s on 2 busy cores (inductor builds C++ kernels)."""
+    ckpt = make_ckpt(tmp_path / 'tiny.pt', data, d_model=16, n_layers=1)
+    argv = [f'--ckpt={ckpt}', '--prompt=def f', '--max_new_tokens=6', '--temperature=0']
+    eager = run_main(capsys, 'sample', *argv)[1]
+    fresh = dict(ENV, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / 'inductor'))
+    r = subprocess.run([sys.executable, 'sample.py', *argv, '--compile'], capture_output=True,
+                       text=True, cwd=HERE, env=fresh, timeout=600)
+    lines = r.stderr.splitlines()
+    assert r.returncode == 0 and len(lines) == 3 and lines[0].startswith('sampling from'), r.stderr
+    assert re.fullmatch(r'compiled the cached step in \d+\.\d s .*', lines[1]), r.stderr
+    assert re.fullmatch(r'\d+ tokens .* in \d+\.\d+ s \(\d+\.\d tokens/s\)', lines[2]), r.stderr
+    assert r.stdout == eager
+
+
+def test_stream_prints_whole_characters_and_each_row_stops_at_its_eos(capsys):
+    """Tokens are UTF-8 bytes here, so a character can span tokens (as with byte-fallback BPE pieces):
+    no U+FFFD pieces of it print; nothing after a row's end of document (the batch stops when all rows
+    have); a sample ending inside a character prints all it decodes to."""
+    text, eos, x = 'naïve ✓ 😀!', 256, ord('x')
+    tok = types.SimpleNamespace(eos_id=eos, decode=lambda ids: bytes(i for i in ids if i < 256).decode(
+        'utf-8', errors='replace'))
+
+    def write(rows, prompt, *argv):
+        def stream(idx, max_new_tokens, **kw):  # one fixed row per sequence, whatever the sampling arguments
+            assert len(idx) == len(rows)
+            for step in zip(*rows):
+                yield torch.tensor(step), None
+        return sample.write_samples(types.SimpleNamespace(stream=stream), tok, list(prompt),
+                                    sample.parse_args(['--max_new_tokens=100', *argv]), torch.Generator())
+    assert write([list(text.encode()) + [eos, x]], b'') == len(text.encode())
+    assert capsys.readouterr().out == text + '\n'
+    write([list(b'ok\xe2\x9c')], b'>')
+    assert capsys.readouterr().out == '>ok\ufffd\n'
+    rows = [list(b'ab') + [eos, x, x, x], list(b'abcd') + [eos, x], list(b'a') + [eos, x, x, x, x]]
+    assert write(rows, b'>', '--num_samples=3') == 2 + 4 + 1
+    assert capsys.readouterr().out == '\n'.join(['>ab', '-' * 40, '>abcd', '-' * 40, '>a', ''])
+
+
+def test_reading_a_checkpoint_never_picks_an_emulated_dtype(trained, tmp_path, monkeypatch, capsys):
+    """sample.py and retrieve.py read a checkpoint in the dtype it was trained in where the device
+    has it natively, else in float32: a bf16 checkpoint (from a GPU) on an AVX2 CPU runs in fp32."""
+    saved = train.load_checkpoint(trained / 'ckpt.pt')
+    for recorded in ('bfloat16', 'float32', 'float16'):
+        train.save_checkpoint({**saved, 'dtype': recorded}, tmp_path / f'{recorded}.pt')
+    cpu = torch.device('cpu')
+    f32, b16 = torch.float32, torch.bfloat16
+    for native, recorded, want in ((False, 'bfloat16', f32), (True, 'bfloat16', b16),
+                                   (True, 'float32', f32), (True, 'float16', f32)):
+        cpu_kind(monkeypatch, native)
+        ckpt = tmp_path / f'{recorded}.pt'
+        assert train.reading_dtype(cpu, 'auto', recorded)[0] == want
+        assert retrieve.Embedder(ckpt, 'cpu').dtype == want
+        code, _, err = run_main(capsys, 'sample', f'--ckpt={ckpt}', '--max_new_tokens=2',
+                                '--device=cpu')
+        assert code == 0 and 'cpu float32' in err, err              # a CPU decodes in fp32 (README)
+    assert retrieve.Embedder(tmp_path / 'bfloat16.pt', 'cpu', 'float32').dtype == torch.float32
+    for has_bf16, want in ((False, torch.float32), (True, torch.bfloat16)):   # CUDA, mocked
+        monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: has_bf16)
+        assert train.reading_dtype(torch.device('cuda'), 'auto', 'bfloat16')[0] == want
+        assert train.reading_dtype(torch.device('cuda'), 'auto', 'float16')[0] == torch.float16
+
+
+def test_sample_decodes_fp32_on_a_cpu_with_either_method(trained, monkeypatch, capsys):
+    """On a (mocked) native-bf16 CPU, auto gives both decoders fp32 weights, so --method=window and
+    --method=cache print the same text; --dtype=bfloat16 is honoured by both."""
+    cpu_kind(monkeypatch, native=True)
+    argv = [f'--ckpt={trained}/ckpt.pt', '--max_new_tokens=2', '--device=cpu']
+    for dtype, want in (([], 'cpu float32'), (['--dtype=bfloat16'], 'cpu bfloat16')):
+        for method in ('cache', 'window'):
+            code, _, err = run_main(capsys, 'sample', *argv, *dtype, f'--method={method}')
+            assert code == 0 and want in err, err
+
+
+# =============================================================================
+# 6. retrieve.py: InfoNCE (eq. 7), the Algorithm 1 samplers, the many-candidate eval,
+# indirect retrieval, index/search, on pairs the tests write (fixture `corpus`)
 
 def test_info_nce_is_eq7():
     """-log f(q, t+) / (f(q, t+) + sum f(q, t-)), f = exp(cos / tau) (eq. 8), by hand: over in-batch targets,
@@ -1832,6 +1334,8 @@ def test_index_and_search(corpus, capsys, tmp_path):
 
 GOOD_MANIFEST = dict(ckpt='x.pt', fingerprint='ab12', embed_pos=-1, n_ctx=32, n_chunks=4,
                      n_documents=2, embeddings='embeddings.ab12.npy', chunks='chunks.ab12.jsonl')
+
+
 BROKEN_INDEXES = {   # manifest.json's text, and what the other files are cut to
     'truncated': (json.dumps(GOOD_MANIFEST)[:30], {}), 'list': ('[1, 2]', {}),
     **{f'no-{k}': (json.dumps({n: v for n, v in GOOD_MANIFEST.items() if n != k}), {})
@@ -1920,8 +1424,232 @@ def test_train_paper_negatives_and_autoencoder_encoder(corpus, capsys, tmp_path)
 
 
 # =============================================================================
-# 8. bench.py: every mode at tiny sizes, the representation metric on models whose answer is known
-# by construction, MFU bounds
+# 7. prepare.py (the hub datasets from a local stand-in server, fixture `hub`)
+
+def test_pystdlib_subset_agrees_with_meta_and_splits_by_module(stdlib_dir, capsys):
+    """Every document is one module, verbatim, in its hash-assigned split; docstring pairs follow
+    the module split; an unchanged rerun is a no-op that touches no file."""
+    meta, docs, pairs = read_folder(stdlib_dir)
+    assert meta['dataset'] == 'pystdlib' and meta['vocab_size'] == 400 and meta['train_docs'] == 150
+    assert meta['val_docs'] > 0 and meta['source']['python'] == platform.python_version()
+    assert meta['source']['files'] == meta['train_docs'] + meta['val_docs']
+    root, files = prepare.stdlib_files()
+    assert not any(part in ('test', 'tests', 'site-packages') for f in files for part in f.split('/')[:-1])
+    sources = {open(os.path.join(root, f), encoding='utf-8').read(): f for f in files[:400]}
+    assert all(prepare.split_of(sources[d], 0.05) == s for s in docs for d in docs[s])
+    # no val module's code among the train targets (a few small helpers exist verbatim in two
+    # modules, e.g. asyncio's write_eof, so compare against what train modules hold)
+    from_val = {t for d in docs['val'] for _, t in docstring_pairs(d)}
+    from_train = {t for d in docs['train'] for _, t in docstring_pairs(d)}
+    train_targets = {p['target'] for p in pairs['train']}
+    assert from_val == {p['target'] for p in pairs['val']} and from_val and train_targets == from_train
+    assert not train_targets & (from_val - from_train)
+    mtimes = lambda: {n: os.stat(os.path.join(stdlib_dir, n)).st_mtime_ns for n in os.listdir(stdlib_dir)}  # noqa: E731
+    before = mtimes()
+    assert prepare.main(['pystdlib', '--max_docs=150', '--vocab_size=400', f'--out_dir={stdlib_dir}']) == 0
+    assert 'up to date' in capsys.readouterr().out and mtimes() == before
+
+
+def test_tokenizer_round_trips_any_text(stdlib_dir, tmp_path):
+    tok = Tokenizer.from_dir(stdlib_dir)
+    texts = ['naïve café, Ærøskøbing', 'emoji 🎉🚀 👩‍👩‍👧 ✔️', '中文字符 ∀x∈ℝ: x² ≥ 0', 'ʘ‿ʘ ☃ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢',
+             '  lead\t\ttabs\n\n  trailing  \r\n\x00\x01\x7f', '<s></s><pad><unk><|endoftext|>', '', ' ', '\n']
+    for text in texts:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text and not set(ids) & {tok.bos_id, tok.eos_id, tok.pad_id}
+    assert any(tok.sp.id_to_piece(i).startswith('<0x') for i in tok.encode('☃'))  # unseen: byte pieces, no <unk>
+    assert tok.encode('x', bos=True, eos=True) == [tok.bos_id] + tok.encode('x') + [tok.eos_id]
+    assert tok.decode([tok.bos_id, *tok.encode('hi'), tok.eos_id, tok.pad_id]) == 'hi'
+    assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
+    meta = json.load(open(os.path.join(stdlib_dir, 'meta.json')))
+    assert Tokenizer.from_meta(meta, stdlib_dir).encode('def f(): pass') == tok.encode('def f(): pass')
+    with pytest.raises(FileNotFoundError, match='meta.json'):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_killed_mid_encode_then_rerun_matches_uninterrupted(tmp_path, stdlib_dir):
+    rng = random.Random(0)
+    (tmp_path / 'corpus').mkdir()
+    for i in range(24):  # ~6 MB: a second of encoding on 2 cores, plenty to kill it in the middle
+        (tmp_path / f'corpus/part{i:02d}.txt').write_text('\n<|endoftext|>\n'.join(prose(rng, 60) for _ in range(90)))
+    args = ['text', f'--input={tmp_path}/corpus', '--pairs=ict', f"--tokenizer={stdlib_dir}/tokenizer.model"]
+    assert prepare.main([*args, f'--out_dir={tmp_path}/a']) == 0
+    out = tmp_path / 'b'
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, 'prepare.py'), *args, f'--out_dir={out}'],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 60
+    while not (out / 'train.bin.tmp').exists() or (out / 'train.bin.tmp').stat().st_size == 0:
+        assert proc.poll() is None and time.time() < deadline, 'finished before it could be interrupted'
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / 'meta.json').exists() and not (out / 'train.bin').exists()  # really killed mid-encode
+    assert prepare_cli(*args, f'--out_dir={out}').returncode == 0
+    snapshot = lambda d: {n: (d / n).read_bytes() for n in sorted(os.listdir(d))}  # noqa: E731
+    assert snapshot(out) == snapshot(tmp_path / 'a')
+    meta, docs, pairs = read_folder(str(out))
+    assert meta['train_docs'] + meta['val_docs'] == 24 * 90 and pairs['train'] and pairs['val']
+
+
+FIXTURE_PY = '''\
+import functools
+
+
+@functools.cache
+def area(r):
+    """Area of a circle
+    of radius r.
+
+    Uses pi from math.
+    """
+    return 3.14159 * r * r
+
+
+class Stack:
+    """A last-in first-out stack."""
+
+    def push(self, x):
+        """Put x on top."""
+        self.items.append(x)
+
+
+def inline(): """Docstring on the def line."""
+
+
+def plain(x):
+    return x
+'''
+
+
+def test_docstring_and_ict_pairs():
+    """A docstring's first paragraph, joined, queries its code without the docstring (decorators kept);
+    an ICT query is one sentence of a 6-sentence window, its target the others, separators kept."""
+    assert docstring_pairs(FIXTURE_PY) == [
+        ('Area of a circle of radius r.', '@functools.cache\ndef area(r):\n    return 3.14159 * r * r'),
+        ('A last-in first-out stack.', 'class Stack:\n\n    def push(self, x):\n        self.items.append(x)'),
+        ('Put x on top.', 'def push(self, x):\n    self.items.append(x)')]
+    assert docstring_pairs('def broken(:\n    """Nope."""\n') == []
+    sentences = [f'Sentence number {i} has words.' for i in range(8)]
+    text = ' '.join(sentences[:4]) + '\n\n' + ' '.join(sentences[4:])
+    pairs = ict_pairs(text, 'doc')
+    assert len(pairs) == 1 and pairs == ict_pairs(text, 'doc')  # deterministic; the 2-sentence tail is too short
+    query, target = pairs[0]
+    assert query in sentences[:6] and query not in target and ('\n\n' in target or query == sentences[3])
+    assert target.split() == ' '.join(s for s in sentences[:6] if s != query).split()
+    assert ict_pairs('Too short. Only two.', 'x') == []
+
+
+def test_text_dataset_pairs(tmp_path, stdlib_dir):
+    """A folder (binary files skipped) or a glob becomes documents with their docstring or ICT pairs."""
+    (tmp_path / 'src').mkdir()
+    for i in range(12):
+        (tmp_path / f'src/mod{i}.py').write_text(FIXTURE_PY.replace('Stack', f'Stack{i}'))
+        (tmp_path / f'src/notes{i}.txt').write_text(prose(random.Random(i), 14))
+    (tmp_path / 'src/blob.bin').write_bytes(b'\0\1\2' * 100)
+    tok = f'--tokenizer={stdlib_dir}/tokenizer.model'
+    assert prepare.main(['text', f'--input={tmp_path}/src', '--pairs=docstring', tok, f'--out_dir={tmp_path}/d']) == 0
+    meta, docs, pairs = read_folder(tmp_path / 'd')
+    assert meta['train_docs'] + meta['val_docs'] == 24
+    assert sorted((p['query'], p['target']) for s in pairs for p in pairs[s]) == sorted(
+        p for i in range(12) for p in docstring_pairs(FIXTURE_PY.replace('Stack', f'Stack{i}')))
+    assert prepare.main(['text', f'--input={tmp_path}/src/*.txt', '--pairs=ict', tok, f'--out_dir={tmp_path}/i']) == 0
+    meta, docs, pairs = read_folder(tmp_path / 'i')
+    assert meta['train_docs'] + meta['val_docs'] == 12
+    key = {(tmp_path / f'src/notes{i}.txt').read_text(): f'notes{i}.txt' for i in range(12)}
+    for s in pairs:
+        assert [(p['query'], p['target']) for p in pairs[s]] == [p for d in docs[s] for p in ict_pairs(d, key[d])]
+
+
+def test_tokenizer_training_reads_only_its_sample_and_is_deterministic(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare, 'TOKENIZER_SAMPLE', 20_000)
+    pulled = []
+
+    def documents():
+        rng = random.Random(0)
+        for i in range(100_000):
+            pulled.append(i)
+            yield 'train' if i % 10 else 'val', str(i), prose(rng, 10), None
+    prepare.train_tokenizer(documents, 2, 400, tmp_path / 'a.model')
+    assert 40 < len(pulled) < 400  # ~20 kB of every other training document, not the whole stream
+    prepare.train_tokenizer(documents, 2, 400, tmp_path / 'b.model')
+    assert (tmp_path / 'a.model').read_bytes() == (tmp_path / 'b.model').read_bytes()
+
+
+def test_tiktoken_tokenizer_or_clear_offline_error(tmp_path, capsys):
+    for i in range(10):
+        (tmp_path / f'{i}.txt').write_text(f'Hello world {i}. ' * 50)
+    code, _, err = run_main(capsys, 'prepare', 'text', f'--input={tmp_path}/*.txt', '--tokenizer=gpt2',
+                            f'--out_dir={tmp_path}/out')
+    if code == 0:  # online, or the vocabulary is cached
+        meta, docs, _ = read_folder(tmp_path / 'out')
+        assert meta['tokenizer'] == {'kind': 'tiktoken', 'name': 'gpt2'} and meta['vocab_size'] == 50257
+        assert not (tmp_path / 'out/tokenizer.model').exists()
+    else:
+        assert code == 2 and len(err.strip().splitlines()) == 1 and 'gpt2' in err
+
+
+def test_hub_text_datasets(tmp_path, hub):
+    """TinyStories downloads into --download_dir (--max_docs cuts train only); TinyStories-Instruct,
+    found through $HF_ENDPOINT, keeps the stories and pairs each Summary with its story."""
+    r = hub_cli(tmp_path, 'tinystories', f'--hub_url={hub["url"]}', '--max_docs=30')
+    assert r.returncode == 0, r.stderr
+    assert ('HEAD', '/datasets/roneneldan/TinyStories/resolve/main/TinyStories-train.txt') in hub['served']
+    assert (tmp_path / 'downloads/TinyStories/TinyStories-train.txt').read_bytes() == \
+        hub['files']['roneneldan/TinyStories/TinyStories-train.txt']
+    meta, docs, _ = read_folder(tmp_path / 'data/tinystories')
+    assert docs['train'] == hub['stories'][:30] and docs['val'] == hub['stories'][40:]
+    assert meta['source']['repo'] == 'roneneldan/TinyStories'
+    r = hub_cli(tmp_path, 'tinystories-instruct', env={'HF_ENDPOINT': hub['url']})
+    assert r.returncode == 0, r.stderr
+    meta, docs, pairs = read_folder(tmp_path / 'data/tinystories-instruct')
+    for split, records in (('train', hub['itrain']), ('val', hub['ivalid'])):
+        assert docs[split] == [s for _, s, _ in records]
+        summaries = [(f[len('Summary: '):], s) for _, s, fields in records for f in fields if f.startswith('Summary:')]
+        assert [(p['query'], p['target']) for p in pairs[split]] == summaries
+
+
+def test_hub_parquet_shards(tmp_path, hub):
+    """fineweb-edu reads only sample/10BT's shards, in order, stopping at --max_tokens; finemath its folder."""
+    r = hub_cli(tmp_path, 'fineweb-edu', f'--hub_url={hub["url"]}', '--pairs=ict', '--max_tokens=6000')
+    assert r.returncode == 0, r.stderr
+    meta, docs, pairs = read_folder(tmp_path / 'data/fineweb-edu')
+    texts, used = hub['shards'][0] + hub['shards'][1], docs['train'] + docs['val']
+    assert set(used) < set(texts) and sorted(used, key=texts.index) == texts[:len(used)] and len(used) > 30
+    last = len(Tokenizer.from_dir(tmp_path / 'data/fineweb-edu').encode(docs['train'][-1])) + 2
+    assert meta['train_tokens'] >= 6000 > meta['train_tokens'] - last and meta['dtype'] == 'uint16'
+    assert pairs['train'] and all(p['query'] not in p['target'] for p in pairs['train'])
+    r = hub_cli(tmp_path, 'finemath', f'--hub_url={hub["url"]}')
+    assert r.returncode == 0, r.stderr
+    meta, docs, pairs = read_folder(tmp_path / 'data/finemath')
+    assert sorted(docs['train'] + docs['val']) == sorted(hub['shards'][1]) and not pairs
+    assert meta['vocab_size'] <= 400 and meta['source']['folder'] == 'finemath-4plus'
+
+
+def test_hub_unreachable_says_what_to_download(tmp_path, hub):
+    """Out of reach, prepare fails in seconds naming each file's URL and where to put it; following
+    that works offline, and a prepared folder then reruns as a no-op without the hub."""
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        dead = f'http://127.0.0.1:{s.getsockname()[1]}'  # closed once the block ends
+    t0 = time.time()
+    r = hub_cli(tmp_path, 'tinystories', f'--hub_url={dead}')
+    assert r.returncode == 2 and time.time() - t0 < 20 and r.stderr.count('\n') == 1 and r.stderr.startswith('error: ')
+    for name in ('TinyStories-valid.txt', 'TinyStories-train.txt'):
+        wanted = tmp_path / 'downloads/TinyStories' / name
+        assert f'{dead}/datasets/roneneldan/TinyStories/resolve/main/{name}' in r.stderr and str(wanted) in r.stderr
+        wanted.parent.mkdir(parents=True, exist_ok=True)
+        wanted.write_bytes(hub['files'][f'roneneldan/TinyStories/{name}'])
+    r = hub_cli(tmp_path, 'tinystories', f'--hub_url={dead}')
+    assert r.returncode == 0 and read_folder(tmp_path / 'data/tinystories')[1]['val'] == hub['stories'][40:], r.stderr
+    r = hub_cli(tmp_path, 'tinystories', f'--hub_url={dead}')
+    assert r.returncode == 0 and 'up to date' in r.stdout
+    r = hub_cli(tmp_path, 'fineweb-edu', f'--hub_url={dead}')
+    assert r.returncode == 2 and r.stderr.count('\n') == 1 and 'sample/10BT' in r.stderr
+
+
+# =============================================================================
+# 8. bench.py: every mode at tiny sizes, the representation metric on models whose answer is
+# known by construction, MFU bounds
 
 BENCH_TINY = ['--d_model=32', '--n_layers=1', '--n_ctx=16', '--vocab_size=128', '--batch_size=2', '--dtype=float32',
               '--device=cpu']
@@ -2103,10 +1831,486 @@ def test_bench_all_prints_tables_writes_json_and_plot(tmp_path, capsys):
 
 
 # =============================================================================
-# 9. refusals. Every flag is checked before any work, every input file against what describes it,
-# every output location before the work that fills it. A refusal exits with status 2 and prints one
-# `error:` line (the last on stderr) naming the culprit (a flag, a value or a path), no traceback,
-# and leaves every file as it was (and writes none).
+# 9. CUDA: the GPU code paths (skipped without a GPU; on one: python -m pytest -q -k cuda)
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
+
+
+AMP = {'float32': contextlib.nullcontext, 'bfloat16': lambda: torch.autocast('cuda', torch.bfloat16),
+       'float16': lambda: torch.autocast('cuda', torch.float16)}
+
+
+@cuda
+@pytest.mark.parametrize('amp', ['float32', 'bfloat16'])
+@pytest.mark.parametrize('variant,padding', [(v, None) for v in VARIANTS] + PADDED,
+                         ids=lambda x: name(x) if isinstance(x, dict) else str(x))
+def test_cuda_future_tokens_never_reach_past_logits(variant, padding, amp):
+    """Section 1's causality test on the GPU's kernels (cuBLAS, SDPA), in fp32 and under bf16 autocast."""
+    gen = torch.Generator().manual_seed(1)
+    idx, mask = padded_batch(padding, gen)
+    model = perturbed(tiny(**variant), 0.05).cuda()
+    assert_causal(model, idx.cuda(), None if mask is None else mask.cuda(), gen, AMP[amp])
+
+
+@cuda
+@pytest.mark.parametrize('kernel,amp,padding', [('flash', 'bfloat16', None), ('flash', 'float16', None),
+                                                ('efficient', 'float32', None), ('efficient', 'float32', 'left'),
+                                                ('efficient', 'bfloat16', 'right')])
+@pytest.mark.parametrize('arch', ['llama', 'gpt'])
+def test_cuda_sdpa_kernels_match_explicit_attention(arch, kernel, amp, padding, no_tf32):
+    """SDPA's flash and memory-efficient kernels, each forced (an unusable one raises), against the
+    attention written out in float64: the GPU models compute the same function as the references."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    cfg = ModelConfig(arch=arch, vocab_size=V, n_ctx=64, d_model=128, n_layers=1, n_heads=4)  # head dim 32
+    attn = perturbed(cfg, 0.05).backbone.blocks[0].mixers[0]
+    x = torch.randn(2, 64, 128, generator=torch.Generator().manual_seed(0))
+    mask = None
+    if padding:  # row 1 loses 9 tokens on the left or the right
+        mask = torch.ones(2, 64, dtype=torch.bool)
+        mask[1, slice(0, 9) if padding == 'left' else slice(55, 64)] = False
+    want = reference_attention(x.double(), attn.double(), mask)
+    attn.float().cuda()
+    backend = {'flash': SDPBackend.FLASH_ATTENTION, 'efficient': SDPBackend.EFFICIENT_ATTENTION}[kernel]
+    with sdpa_kernel(backend), AMP[amp]():
+        got = attn(x.cuda(), mask=None if mask is None else mask.cuda())
+    tol = 1e-5 if amp == 'float32' else 3e-2
+    torch.testing.assert_close(got.double().cpu(), want, atol=tol, rtol=tol)
+
+
+@cuda
+@pytest.mark.parametrize('variant', VARIANTS, ids=name)
+def test_cuda_window_equals_cache(variant, no_tf32):
+    """Section 2's decoding equivalence on the GPU (fp32): the same greedy tokens through a slide."""
+    model = tiny_model(**variant).cuda()
+    idx = prompt(5).cuda()
+    tok_w, logit_w = decode(model, idx, 2 * N_CTX + N_CTX // 2, 'window')
+    tok_c, logit_c = decode(model, idx, 2 * N_CTX + N_CTX // 2, 'cache')
+    assert torch.equal(tok_w, tok_c) and len(tok_c.unique()) > 3
+    torch.testing.assert_close(logit_c, logit_w, atol=1e-4, rtol=0)
+
+
+@cuda
+@pytest.mark.parametrize('arch', ['mixer', 'llama'])
+def test_cuda_compiled_decode_step_equals_eager(arch, no_tf32):
+    """sample.compiled_step through inductor's GPU kernels: the eager step's tokens, its logits to 1e-4."""
+    model = tiny_model(arch=arch).cuda()
+    torch._dynamo.reset()
+    step = sample.compiled_step(model)
+    tok_c, logit_c = decode(model, prompt(5).cuda(), N_CTX + N_CTX // 2, 'cache', step=step)
+    tok_e, logit_e = decode(model, prompt(5).cuda(), N_CTX + N_CTX // 2, 'cache')
+    assert torch.equal(tok_c, tok_e)
+    torch.testing.assert_close(logit_c, logit_e, atol=1e-4, rtol=0)
+    torch._dynamo.reset()
+
+
+@cuda
+@pytest.mark.parametrize('dtype', ['float16', 'bfloat16', 'float32'])
+@pytest.mark.parametrize('arch', ['mixer', 'llama', 'gpt'])
+def test_cuda_training_learns(data, tmp_path, arch, dtype):
+    """train.py on the GPU in each dtype lowers the loss; fp16 runs with a GradScaler whose state is saved."""
+    assert train_run(data, tmp_path, '--device=cuda', f'--dtype={dtype}', f'--arch={arch}', '--max_iters=20',
+                     '--eval_interval=20') == 0
+    evals = records(tmp_path, 'val_loss')
+    assert [r['step'] for r in evals] == [0, 20] and evals[1]['train_loss'] < evals[0]['train_loss'] - 0.5
+    scaler = weights(tmp_path)['scaler']
+    assert (scaler is not None and scaler['scale'] > 0) == (dtype == 'float16')
+
+
+@cuda
+@pytest.mark.parametrize('arch', ['mixer', 'llama'])
+def test_cuda_compile_follows_the_eager_loss_curve(data, tmp_path, arch):
+    """train.py --compile on the GPU: the eager run's losses, step for step, within 1 %."""
+    curves = []
+    for run, extra in (('eager', []), ('compiled', ['--compile'])):
+        assert train_run(data, tmp_path / run, '--device=cuda', '--dtype=bfloat16', f'--arch={arch}',
+                         '--max_iters=20', '--eval_interval=20', *extra) == 0
+        curves.append([r['loss'] for r in records(tmp_path / run, 'loss')])
+    assert len(curves[0]) == 4
+    torch.testing.assert_close(torch.tensor(curves[1]), torch.tensor(curves[0]), rtol=1e-2, atol=0)
+
+
+@cuda
+def test_cuda_torchrun_one_process_is_ddp_over_nccl(data, tmp_path):
+    """torchrun --nproc_per_node=1 wraps the model in DDP over nccl (as on N GPUs) and trains."""
+    proc = torchrun('train.py', [*TINY, f'--data_dir={data}', f'--out_dir={tmp_path}', '--device=cuda',
+                                 '--max_iters=10', '--eval_interval=10'], nproc=1)
+    assert 'DDP over nccl, 1 process(es)' in proc.stdout
+    evals = records(tmp_path, 'val_loss')
+    assert evals[-1]['step'] == 10 and evals[-1]['train_loss'] < evals[0]['train_loss']
+
+
+@cuda
+def test_cuda_kill9_then_resume_continues_the_run(data, tmp_path):
+    """kill -9 mid-run and --init_from=resume on the GPU: the uninterrupted run's weights and losses (to
+    float tolerance, not bit for bit: CUDA's embedding backward adds with atomics, in any order)."""
+    args = [f'--data_dir={data}', *TINY, '--device=cuda', '--dtype=float32', '--max_iters=300', '--eval_interval=25',
+            '--log_interval=1']
+    a, b = interrupted_and_resumed(args, tmp_path)
+    for k in a['model']:
+        torch.testing.assert_close(b['model'][k], a['model'][k], atol=1e-4, rtol=1e-3)
+    for x, y in zip(records(tmp_path / 'a', 'loss'), records(tmp_path / 'b', 'loss')):
+        assert x['step'] == y['step'] and abs(x['loss'] - y['loss']) < 1e-3
+
+
+@cuda
+def test_cuda_sample_and_bench(trained, capsys):
+    """sample.py on the GPU (window == cache, greedy, fp32 weights) and each bench.py mode's GPU path:
+    MFU against the measured peak, peaks from max_memory_allocated, decoding beside its ceiling."""
+    argv = [f'--ckpt={trained}/ckpt.pt', '--prompt=def f2_1(x):', '--max_new_tokens=40', '--temperature=0',
+            '--device=cuda', '--dtype=float32']
+    code, cached, _ = run_main(capsys, 'sample', *argv)
+    assert code == 0 and run_main(capsys, 'sample', *argv, '--method=window')[1] == cached
+    gpu = ['--d_model=64', '--n_layers=1', '--vocab_size=128', '--device=cuda', '--dtype=bfloat16']
+    rows = bench.main(['throughput', *gpu, '--n_ctx=64', '--batch_size=2', '--warmup=1', '--repeats=2'])
+    assert len(rows) == 3 and all(0 < r['mfu'] < 1 and r['peak_flops'] > 1e12 for r in rows)
+    rows = bench.main(['memory', *gpu, '--archs=mixer', '--n_ctx=256,1024'])
+    assert 0 < rows[0]['mb'] < rows[1]['mb']
+    rows = bench.main(['generate', *gpu, '--n_ctx=64', '--prompt=16', '--new_tokens=8', '--batch_size=1,4'])
+    assert len(rows) == 3 * 3 and all(r['tokens_per_s'] > 0 and r['fraction'] > 0 for r in rows)
+
+
+# =============================================================================
+# 10. fixtures and helpers: tiny models, the tiny corpus prepared by prepare.py and a tiny
+# mixer trained on it by train.py, the scripts run as a user runs them, the local hub server
+
+@pytest.fixture(autouse=True, scope='session')
+def one_thread():
+    """Tiny models run faster on one thread (and far faster than on two busy shared cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(**kw):
+    return ModelConfig(**{**dict(vocab_size=V, n_ctx=N, d_model=D, n_layers=2), **kw})
+
+
+def perturbed(cfg, scale, seed=0):
+    """A model with every parameter moved off its init, so that no structure (zeros, ones,
+    symmetry) can hide a leak or make two computations agree by accident."""
+    torch.manual_seed(seed)
+    model = build_model(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return model
+
+
+def make(cfg):
+    return perturbed(cfg, 0.05).double()
+
+
+def embedding_grad(model, idx, mask, out_fn):
+    """d out_fn(logits) / d token embeddings, read by a hook on the token embedding's output."""
+    wte = model.backbone.wte if hasattr(model, 'backbone') else getattr(model, 'wte', None) or model.encoder.wte
+    seen = []
+    hook = wte.register_forward_hook(lambda mod, inp, out: seen.append(out) or out.retain_grad())  # returns None
+    try:
+        out_fn(model(idx, mask=mask)[0]).backward()
+    finally:
+        hook.remove()
+    return seen[-1].grad
+
+
+def padded_batch(padding, gen):
+    """Two sequences of lengths N and N - 4, padded on the right or the left (or not: mask None)."""
+    idx = torch.randint(0, V, (2, N), generator=gen)
+    if padding is None:
+        return idx, None
+    mask = torch.ones(2, N, dtype=torch.bool)
+    mask[1, N - 4:] = padding != 'right'
+    mask[1, :4] = padding != 'left'
+    idx[~mask] = 0
+    return idx, mask
+
+
+def tiny_model(n_ctx=N_CTX, **kw):
+    return perturbed(ModelConfig(vocab_size=VOCAB, n_ctx=n_ctx, d_model=32, n_layers=2, **kw), 0.1).eval()
+
+
+def prompt(length, seed=1, batch=2):
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def decode(model, idx, steps, method, **kw):
+    """Greedy by default: (tokens (B, steps), logits (B, steps, vocab)) from model.stream."""
+    toks, logits = zip(*model.stream(idx, steps, method=method, **{'temperature': 0.0, **kw}))
+    return torch.stack(toks, 1), torch.stack(logits, 1)
+
+
+TINY = ['--d_model=32', '--n_layers=2', '--n_ctx=32', '--batch_size=4', '--eval_iters=2', '--log_interval=5',
+        '--warmup_iters=0', '--lr=1e-2', '--device=cpu']  # the CPU's numbers on a GPU machine too (section 10: CUDA)
+
+
+ENV = dict(os.environ, OMP_NUM_THREADS='1')
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory):
+    """A tiny Python-like corpus tokenized by prepare.py (its `text` dataset, 300-token BPE)."""
+    root = tmp_path_factory.mktemp('corpus')
+    docs = [''.join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n\n" for j in range(1 + i % 7)) for i in range(150)]
+    (root / 'corpus.txt').write_text('\n<|endoftext|>\n'.join(docs))
+    assert prepare.main(['text', f'--input={root}/corpus.txt', f'--out_dir={root}/data', '--vocab_size=300']) == 0
+    return f'{root}/data'
+
+
+@pytest.fixture(scope='module')
+def trained(data, tmp_path_factory):
+    """The out_dir of a tiny mixer trained for 25 steps on `data`."""
+    out = tmp_path_factory.mktemp('trained')
+    assert train.main([f'--data_dir={data}', f'--out_dir={out}', *TINY, '--batch_size=8', '--max_iters=25',
+                       '--lr=3e-3', '--warmup_iters=2', '--eval_interval=25', '--eval_iters=1']) == 0
+    return out
+
+
+def train_run(data, out, *extra):
+    return train.main([f'--data_dir={data}', f'--out_dir={out}', *TINY, *extra])
+
+
+def records(out_dir, key):
+    return [r for r in map(json.loads, open(os.path.join(out_dir, 'log.jsonl'))) if key in r]
+
+
+def weights(out_dir, name='ckpt.pt'):
+    return torch.load(os.path.join(out_dir, name), map_location='cpu', weights_only=True)
+
+
+def run_main(capsys, script, *argv):
+    """(exit status, stdout, stderr) of a script's main(argv), as a user would see them."""
+    try:
+        code = MAINS[script]([str(a) for a in argv])
+    except SystemExit as e:  # bench.main exits
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def refused(capsys, script, argv, culprit, keep=()):
+    """script's main refuses argv: status 2, one `error:` line (the last on stderr) naming the culprit,
+    no traceback, and every file under the folders in keep unchanged (none added)."""
+    tree = lambda folder: {os.path.join(d, n): open(os.path.join(d, n), 'rb').read()  # noqa: E731
+                           for d, _, names in os.walk(folder) for n in names}
+    before = [tree(k) for k in keep]
+    code, out, err = run_main(capsys, script, *argv)
+    lines = err.strip().splitlines()
+    errors = [line for line in lines if line.startswith('error:')]
+    assert code == 2 and errors == lines[-1:] and 'Traceback' not in err, (code, err)
+    assert culprit in errors[0], (culprit, errors[0])
+    assert [tree(k) for k in keep] == before
+
+
+def without_paths(text):
+    return re.sub(r'\S*/\S*', '', text)
+
+
+def cpu_kind(monkeypatch, native):
+    """Make this CPU answer the bf16 capability query as either kind does (AVX512-BF16/AMX:
+    native; AVX2-only: emulated), so each kind's dtype choices are tested on any machine."""
+    monkeypatch.delenv(train.NO_BF16_ENV, raising=False)
+    monkeypatch.setattr(torch.ops.mkldnn, '_is_mkldnn_bf16_supported', lambda: native)
+
+
+def torchrun(script, argv, nproc=2):
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
+           os.path.join(HERE, script), *argv]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
+    if proc.returncode:  # shown in full with the failure (an assert message would be cut short)
+        print(proc.stdout[-1500:], proc.stderr[-5000:], sep='\n')
+    assert proc.returncode == 0
+    return proc
+
+
+@pytest.fixture
+def no_tf32():
+    """Exact comparisons need true fp32 matmuls; train.py turns TF32 on for every later test of the process."""
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+
+
+PAIR_WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega parse load save merge "
+              "split join sort count").split()
+
+
+def pair_texts(rng, tag):
+    """A query and its target that share two words, like a docstring and its function."""
+    a, b = rng.sample(PAIR_WORDS, 2)
+    return f"{a.capitalize()} the {b} of x.", f"def {a}_{b}_{tag}(x):\n    return {a}({b}(x)) + {tag}\n"
+
+
+def write_pairs(path, pairs):
+    path.write_text(''.join(json.dumps({'query': q, 'target': t}) + '\n' for q, t in pairs))
+
+
+def make_ckpt(path, data_dir, **kw):
+    """An untrained train.py-style checkpoint ('lm' kind) of a tiny model on data_dir's tokenizer."""
+    meta = train.load_meta(str(data_dir))
+    cfg = ModelConfig(**{**dict(n_ctx=32, d_model=32, n_layers=2), **kw, 'vocab_size': meta['vocab_size']})
+    torch.manual_seed(0)
+    train.save_checkpoint({'kind': 'lm', 'model_config': dataclasses.asdict(cfg), 'data': {'data_dir': str(data_dir),
+                           'meta': meta}, 'model': build_model(cfg).state_dict()}, str(path))
+    return str(path)
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+    """A data dir with a 400-piece tokenizer, 160 training and 48 val pairs; untrained mixer, llama and
+    mixer autoencoder checkpoints on it."""
+    root = tmp_path_factory.mktemp('retrieve')
+    rng = random.Random(0)
+    pairs = [pair_texts(rng, i) for i in range(208)]
+    (root / 'src').mkdir()
+    for k in range(4):
+        (root / f'src/doc{k}.txt').write_text(''.join(q + '\n' + t + '\n' for q, t in pairs[k::4]))
+    data = root / 'data'
+    assert prepare.main(['text', f'--input={root}/src', f'--out_dir={data}', '--vocab_size=400']) == 0
+    write_pairs(data / 'pairs_train.jsonl', pairs[:160])
+    write_pairs(data / 'pairs_val.jsonl', pairs[160:])
+    return types.SimpleNamespace(root=root, data=data, mixer=make_ckpt(root / 'mixer.pt', data),
+                                 llama=make_ckpt(root / 'llama.pt', data, arch='llama'),
+                                 ae=make_ckpt(root / 'ae.pt', data, objective='autoencoder'))
+
+
+def unit(*shape, seed=0):
+    return F.normalize(torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64), dim=-1)
+
+
+def read_folder(out):
+    """meta, documents and pairs of a prepared folder, checked against meta.json: every document is
+    BOS ... EOS at its recorded offset, every count and id agrees."""
+    meta = json.load(open(os.path.join(out, 'meta.json')))
+    assert meta['dtype'] == ('uint16' if meta['vocab_size'] < 65536 else 'uint32')
+    tok, keys = Tokenizer.from_dir(out), ('vocab_size', 'bos_id', 'eos_id', 'pad_id')
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == tuple(meta[k] for k in keys)
+    assert all(isinstance(meta[k], int) for k in keys)
+    docs, pairs = {}, {}
+    for s in ('train', 'val'):
+        path = os.path.join(out, f'{s}.bin')  # np.memmap refuses empty files (a tiny corpus may have no val)
+        ids = np.memmap(path, dtype=meta['dtype'], mode='r') if os.path.getsize(path) else np.zeros(0, meta['dtype'])
+        starts = np.load(os.path.join(out, f'{s}_docs.npy'))
+        assert starts.dtype == np.int64 and len(ids) == meta[f'{s}_tokens'] and len(starts) == meta[f'{s}_docs']
+        ends = np.append(starts[1:], len(ids))
+        if len(starts):
+            assert starts[0] == 0 and np.all(ends > starts + 1) and ids.max() < meta['vocab_size']
+            assert np.all(ids[starts] == meta['bos_id']) and np.all(ids[ends - 1] == meta['eos_id'])
+        docs[s] = [tok.decode(ids[a:b]) for a, b in zip(starts, ends)]
+        if f'n_pairs_{s}' in meta:
+            pairs[s] = [json.loads(line) for line in open(os.path.join(out, f'pairs_{s}.jsonl'), encoding='utf-8')]
+            assert len(pairs[s]) == meta[f'n_pairs_{s}']
+            assert all(set(p) == {'query', 'target'} and p['query'] and p['target'] for p in pairs[s])
+    return meta, docs, pairs
+
+
+@pytest.fixture(scope='module')
+def stdlib_dir(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp('pystdlib'))
+    assert prepare.main(['pystdlib', '--max_docs=150', '--vocab_size=400', f'--out_dir={out}']) == 0
+    return out
+
+
+PROSE_WORDS = ('the a cat dog sun moon tree river small big red green happy quiet runs jumps sees finds '
+               'under over near bright old young garden house friend little').split()
+
+
+def prose(rng, sentences):
+    return ' '.join(' '.join(rng.choices(PROSE_WORDS, k=rng.randint(4, 12))).capitalize() + rng.choice('.!?')
+                    for _ in range(sentences))
+
+
+def prepare_cli(*argv, env=None, cwd=None):
+    """Run `python prepare.py ...` exactly as a user does."""
+    env = {**{k: v for k, v in os.environ.items() if k not in ('HF_ENDPOINT', 'HF_HUB_OFFLINE')}, **(env or {})}
+    return subprocess.run([sys.executable, os.path.join(HERE, 'prepare.py'), *argv], capture_output=True,
+                          text=True, env=env, cwd=cwd, timeout=120)
+
+
+def instruct(rng, n):
+    """TinyStories-Instruct records (text, story, fields): shuffled fields, a Summary in 3 of 4, the story last."""
+    records = []
+    for i in range(n):
+        s = prose(rng, 6) + '\n\n' + prose(rng, 4)
+        fields = ['Features: Dialogue', f'Words: {" ".join(rng.sample(PROSE_WORDS, 3))}',
+                  *([f'Summary: {prose(rng, 1)}'] if i % 4 else []), f'Random sentence: {prose(rng, 1)}']
+        rng.shuffle(fields)
+        records.append(('\n'.join(fields) + f'\nStory: \n\n{s}', s, fields))
+    return records
+
+
+@pytest.fixture(scope='module')
+def hub():
+    """A stand-in for the Hugging Face hub on 127.0.0.1: the resolve/ and tree/ endpoints huggingface_hub calls."""
+    rng = random.Random(1)
+    stories = [prose(rng, 7) + '\n\n' + prose(rng, 4) for _ in range(46)]
+    itrain, ivalid = instruct(rng, 40), instruct(rng, 8)
+    shards = [[prose(rng, 12) for _ in range(30)] for _ in range(2)]
+    eot = lambda docs: ''.join(d + '\n<|endoftext|>\n' for d in docs).encode()  # noqa: E731
+
+    def parquet(texts):
+        buf = io.BytesIO()
+        pq.write_table(pa.table({'text': texts, 'id': [str(i) for i in range(len(texts))]}), buf)
+        return buf.getvalue()
+    files = {
+        'roneneldan/TinyStories/TinyStories-train.txt': eot(stories[:40]),
+        'roneneldan/TinyStories/TinyStories-valid.txt': eot(stories[40:]),
+        'roneneldan/TinyStoriesInstruct/TinyStories-Instruct-train.txt': eot(r for r, _, _ in itrain),
+        'roneneldan/TinyStoriesInstruct/TinyStories-Instruct-valid.txt': eot(r for r, _, _ in ivalid),
+        'HuggingFaceFW/fineweb-edu/sample/10BT/000_00000.parquet': parquet(shards[0]),
+        'HuggingFaceFW/fineweb-edu/sample/10BT/001_00000.parquet': parquet(shards[1]),
+        'HuggingFaceFW/fineweb-edu/data/CC-MAIN-2024-10/000_00000.parquet': parquet(['not in the sample']),
+        'HuggingFaceTB/finemath/finemath-4plus/train-00000-of-00064.parquet': parquet(shards[1])}
+    served = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self.do_GET(body=False)
+
+        def do_GET(self, body=True):
+            path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
+            served.append((self.command, path))
+            resolve = re.fullmatch(r'/datasets/([^/]+/[^/]+)/resolve/main/(.+)', path)
+            tree = re.fullmatch(r'/api/datasets/([^/]+/[^/]+)/tree/main/?(.*)', path)
+            if resolve and f'{resolve[1]}/{resolve[2]}' in files:
+                data = files[f'{resolve[1]}/{resolve[2]}']
+                headers = {'ETag': f'"{hashlib.sha256(data).hexdigest()}"', 'X-Repo-Commit': 'c0ffee' * 6 + 'abcd',
+                           'Content-Type': 'application/octet-stream'}
+            elif tree:
+                prefix = f'{tree[1]}/{tree[2]}/'.replace('//', '/')
+                data = json.dumps([{'type': 'file', 'path': k[len(tree[1]) + 1:], 'size': len(v),
+                                    'oid': hashlib.sha1(v).hexdigest()} for k, v in files.items()
+                                   if k.startswith(prefix) and '/' not in k[len(prefix):]]).encode()
+                headers = {'Content-Type': 'application/json'}
+            else:
+                data, headers = b'not found', {'X-Error-Code': 'EntryNotFound'}
+            self.send_response(200 if 'Content-Type' in headers else 404)
+            for k, v in {**headers, 'Content-Length': str(len(data))}.items():
+                self.send_header(k, v)
+            self.end_headers()
+            if body:
+                self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield dict(url=f'http://127.0.0.1:{server.server_port}', served=served, files=files, stories=stories,
+               itrain=itrain, ivalid=ivalid, shards=shards)
+    server.shutdown()
+
+
+def hub_cli(tmp_path, *argv, env=None):
+    env = {'HF_HOME': str(tmp_path / 'hf_home'), 'NO_PROXY': '127.0.0.1', 'no_proxy': '127.0.0.1', **(env or {})}
+    return prepare_cli(*argv, f'--download_dir={tmp_path}/downloads', '--vocab_size=400', cwd=tmp_path, env=env)
+
+
+# =============================================================================
+# 11. refusals. Every flag is checked before any work, every input file against what describes
+# it, every output location before the work that fills it. A refusal exits with status 2 and prints
+# one `error:` line (the last on stderr) naming the culprit (a flag, a value or a path), no
+# traceback, and leaves every file as it was (and writes none).
 
 TRAIN = ['--data_dir={data}', '--out_dir={tmp}/out', *TINY]
 SAMPLE = ['--out_dir={trained}']
@@ -2307,149 +2511,3 @@ def test_leftovers_are_cleaned_up(data, tmp_path, capsys):
     args = ['text', f'--input={tmp_path}/src', f'--out_dir={tmp_path}/src/data', '--vocab_size=300']
     assert prepare.main(args) == 0
     assert prepare.main(args) == 0 and 'up to date' in capsys.readouterr().out
-
-
-# =============================================================================
-# 10. CUDA: the GPU code paths (skipped without a GPU; on one: python -m pytest -q -k cuda)
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
-AMP = {'float32': contextlib.nullcontext, 'bfloat16': lambda: torch.autocast('cuda', torch.bfloat16),
-       'float16': lambda: torch.autocast('cuda', torch.float16)}
-
-
-@pytest.fixture
-def no_tf32():
-    """Exact comparisons need true fp32 matmuls; train.py turns TF32 on for every later test of the process."""
-    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
-
-
-@cuda
-@pytest.mark.parametrize('amp', ['float32', 'bfloat16'])
-@pytest.mark.parametrize('variant,padding', [(v, None) for v in VARIANTS] + PADDED,
-                         ids=lambda x: name(x) if isinstance(x, dict) else str(x))
-def test_cuda_future_tokens_never_reach_past_logits(variant, padding, amp):
-    """Section 1's causality test on the GPU's kernels (cuBLAS, SDPA), in fp32 and under bf16 autocast."""
-    gen = torch.Generator().manual_seed(1)
-    idx, mask = padded_batch(padding, gen)
-    model = perturbed(tiny(**variant), 0.05).cuda()
-    assert_causal(model, idx.cuda(), None if mask is None else mask.cuda(), gen, AMP[amp])
-
-
-@cuda
-@pytest.mark.parametrize('kernel,amp,padding', [('flash', 'bfloat16', None), ('flash', 'float16', None),
-                                                ('efficient', 'float32', None), ('efficient', 'float32', 'left'),
-                                                ('efficient', 'bfloat16', 'right')])
-@pytest.mark.parametrize('arch', ['llama', 'gpt'])
-def test_cuda_sdpa_kernels_match_explicit_attention(arch, kernel, amp, padding, no_tf32):
-    """SDPA's flash and memory-efficient kernels, each forced (an unusable one raises), against the
-    attention written out in float64: the GPU models compute the same function as the references."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    cfg = ModelConfig(arch=arch, vocab_size=V, n_ctx=64, d_model=128, n_layers=1, n_heads=4)  # head dim 32
-    attn = perturbed(cfg, 0.05).backbone.blocks[0].mixers[0]
-    x = torch.randn(2, 64, 128, generator=torch.Generator().manual_seed(0))
-    mask = None
-    if padding:  # row 1 loses 9 tokens on the left or the right
-        mask = torch.ones(2, 64, dtype=torch.bool)
-        mask[1, slice(0, 9) if padding == 'left' else slice(55, 64)] = False
-    want = reference_attention(x.double(), attn.double(), mask)
-    attn.float().cuda()
-    backend = {'flash': SDPBackend.FLASH_ATTENTION, 'efficient': SDPBackend.EFFICIENT_ATTENTION}[kernel]
-    with sdpa_kernel(backend), AMP[amp]():
-        got = attn(x.cuda(), mask=None if mask is None else mask.cuda())
-    tol = 1e-5 if amp == 'float32' else 3e-2
-    torch.testing.assert_close(got.double().cpu(), want, atol=tol, rtol=tol)
-
-
-@cuda
-@pytest.mark.parametrize('variant', VARIANTS, ids=name)
-def test_cuda_window_equals_cache(variant, no_tf32):
-    """Section 2's decoding equivalence on the GPU (fp32): the same greedy tokens through a slide."""
-    model = tiny_model(**variant).cuda()
-    idx = prompt(5).cuda()
-    tok_w, logit_w = decode(model, idx, 2 * N_CTX + N_CTX // 2, 'window')
-    tok_c, logit_c = decode(model, idx, 2 * N_CTX + N_CTX // 2, 'cache')
-    assert torch.equal(tok_w, tok_c) and len(tok_c.unique()) > 3
-    torch.testing.assert_close(logit_c, logit_w, atol=1e-4, rtol=0)
-
-
-@cuda
-@pytest.mark.parametrize('arch', ['mixer', 'llama'])
-def test_cuda_compiled_decode_step_equals_eager(arch, no_tf32):
-    """sample.compiled_step through inductor's GPU kernels: the eager step's tokens, its logits to 1e-4."""
-    model = tiny_model(arch=arch).cuda()
-    torch._dynamo.reset()
-    step = sample.compiled_step(model)
-    tok_c, logit_c = decode(model, prompt(5).cuda(), N_CTX + N_CTX // 2, 'cache', step=step)
-    tok_e, logit_e = decode(model, prompt(5).cuda(), N_CTX + N_CTX // 2, 'cache')
-    assert torch.equal(tok_c, tok_e)
-    torch.testing.assert_close(logit_c, logit_e, atol=1e-4, rtol=0)
-    torch._dynamo.reset()
-
-
-@cuda
-@pytest.mark.parametrize('dtype', ['float16', 'bfloat16', 'float32'])
-@pytest.mark.parametrize('arch', ['mixer', 'llama', 'gpt'])
-def test_cuda_training_learns(data, tmp_path, arch, dtype):
-    """train.py on the GPU in each dtype lowers the loss; fp16 runs with a GradScaler whose state is saved."""
-    assert train_run(data, tmp_path, '--device=cuda', f'--dtype={dtype}', f'--arch={arch}', '--max_iters=20',
-                     '--eval_interval=20') == 0
-    evals = records(tmp_path, 'val_loss')
-    assert [r['step'] for r in evals] == [0, 20] and evals[1]['train_loss'] < evals[0]['train_loss'] - 0.5
-    scaler = weights(tmp_path)['scaler']
-    assert (scaler is not None and scaler['scale'] > 0) == (dtype == 'float16')
-
-
-@cuda
-@pytest.mark.parametrize('arch', ['mixer', 'llama'])
-def test_cuda_compile_follows_the_eager_loss_curve(data, tmp_path, arch):
-    """train.py --compile on the GPU: the eager run's losses, step for step, within 1 %."""
-    curves = []
-    for run, extra in (('eager', []), ('compiled', ['--compile'])):
-        assert train_run(data, tmp_path / run, '--device=cuda', '--dtype=bfloat16', f'--arch={arch}',
-                         '--max_iters=20', '--eval_interval=20', *extra) == 0
-        curves.append([r['loss'] for r in records(tmp_path / run, 'loss')])
-    assert len(curves[0]) == 4
-    torch.testing.assert_close(torch.tensor(curves[1]), torch.tensor(curves[0]), rtol=1e-2, atol=0)
-
-
-@cuda
-def test_cuda_torchrun_one_process_is_ddp_over_nccl(data, tmp_path):
-    """torchrun --nproc_per_node=1 wraps the model in DDP over nccl (as on N GPUs) and trains."""
-    proc = torchrun('train.py', [*TINY, f'--data_dir={data}', f'--out_dir={tmp_path}', '--device=cuda',
-                                 '--max_iters=10', '--eval_interval=10'], nproc=1)
-    assert 'DDP over nccl, 1 process(es)' in proc.stdout
-    evals = records(tmp_path, 'val_loss')
-    assert evals[-1]['step'] == 10 and evals[-1]['train_loss'] < evals[0]['train_loss']
-
-
-@cuda
-def test_cuda_kill9_then_resume_continues_the_run(data, tmp_path):
-    """kill -9 mid-run and --init_from=resume on the GPU: the uninterrupted run's weights and losses (to
-    float tolerance, not bit for bit: CUDA's embedding backward adds with atomics, in any order)."""
-    args = [f'--data_dir={data}', *TINY, '--device=cuda', '--dtype=float32', '--max_iters=300', '--eval_interval=25',
-            '--log_interval=1']
-    a, b = interrupted_and_resumed(args, tmp_path)
-    for k in a['model']:
-        torch.testing.assert_close(b['model'][k], a['model'][k], atol=1e-4, rtol=1e-3)
-    for x, y in zip(records(tmp_path / 'a', 'loss'), records(tmp_path / 'b', 'loss')):
-        assert x['step'] == y['step'] and abs(x['loss'] - y['loss']) < 1e-3
-
-
-@cuda
-def test_cuda_sample_and_bench(trained, capsys):
-    """sample.py on the GPU (window == cache, greedy, fp32 weights) and each bench.py mode's GPU path:
-    MFU against the measured peak, peaks from max_memory_allocated, decoding beside its ceiling."""
-    argv = [f'--ckpt={trained}/ckpt.pt', '--prompt=def f2_1(x):', '--max_new_tokens=40', '--temperature=0',
-            '--device=cuda', '--dtype=float32']
-    code, cached, _ = run_main(capsys, 'sample', *argv)
-    assert code == 0 and run_main(capsys, 'sample', *argv, '--method=window')[1] == cached
-    gpu = ['--d_model=64', '--n_layers=1', '--vocab_size=128', '--device=cuda', '--dtype=bfloat16']
-    rows = bench.main(['throughput', *gpu, '--n_ctx=64', '--batch_size=2', '--warmup=1', '--repeats=2'])
-    assert len(rows) == 3 and all(0 < r['mfu'] < 1 and r['peak_flops'] > 1e12 for r in rows)
-    rows = bench.main(['memory', *gpu, '--archs=mixer', '--n_ctx=256,1024'])
-    assert 0 < rows[0]['mb'] < rows[1]['mb']
-    rows = bench.main(['generate', *gpu, '--n_ctx=64', '--prompt=16', '--new_tokens=8', '--batch_size=1,4'])
-    assert len(rows) == 3 * 3 and all(r['tokens_per_s'] > 0 and r['fraction'] > 0 for r in rows)
