@@ -229,10 +229,8 @@ def test_masked_weights_get_exactly_zero_gradient(variant):
         used[N:] = False
         used[0] &= not mix.softmax  # a softmax over one allowed entry is the constant 1
         assert torch.count_nonzero(g * used) == used.sum() * g[..., 0, 0].numel()
-    params = {id(p): p for m in model.modules() if isinstance(m,
-                                                              (M.TokenMixing, M.Mixing,
-                                                               M.Attention))
-              for p in m.parameters()}
+    kinds = (M.TokenMixing, M.Mixing, M.Attention)
+    params = {id(p): p for m in model.modules() if isinstance(m, kinds) for p in m.parameters()}
     assert sum(p.numel() for p in params.values()) == counts['mixing']
     constant = sum(m.weight[..., 0, 0].numel() for m in mixings if m.softmax)
     nonzero = sum(int(torch.count_nonzero(p.grad)) for p in params.values())
@@ -321,15 +319,14 @@ def reference_attention(x, attn, mask=None):
     B, T, d = x.shape
     h, hd = attn.heads, d // attn.heads
     biases = attn.qkv.bias.chunk(3) if attn.qkv.bias is not None else (None,) * 3
-    q, k, v = (F.linear(x, w, b).view(B, T, h, hd).transpose(1, 2) for w,
-               b in zip(attn.qkv.weight.chunk(3), biases))
+    q, k, v = (F.linear(x, w, b).view(B, T, h, hd).transpose(1, 2)
+               for w, b in zip(attn.qkv.weight.chunk(3), biases))
     if attn.rope:  # pair (j, j + hd/2) is one complex number, rotated by angle pos * 10000^(-2j/hd)
         theta = 10000.0 ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
         rot = torch.polar(torch.ones(T, hd // 2, dtype=torch.float64),
                           torch.arange(T)[:, None] * theta)
-        q, k = ((lambda z: torch.cat([z.real, z.imag],
-                                     -1))(torch.complex(t[..., :hd // 2], t[..., hd // 2:]) * rot)
-                for t in (q, k))
+        rotated = (torch.complex(t[..., :hd // 2], t[..., hd // 2:]) * rot for t in (q, k))
+        q, k = (torch.cat([z.real, z.imag], -1) for z in rotated)
     allowed = torch.ones(T, T, dtype=torch.bool).tril()
     if mask is not None:
         allowed = allowed & (mask[:, None, None, :] | torch.eye(T, dtype=torch.bool))
@@ -469,8 +466,8 @@ def test_slide_reencodes_last_half_window(method):
         assert model.generate(seq[:, N_CTX + 1 - N_CTX // 2:i], 1, temperature=0,
                               method=method)[0, -1] == seq[0, i]
     long = prompt(N_CTX + 7, batch=1)
-    a, b = (model.generate(p, 4, temperature=0,
-                           method=method)[:, -4:] for p in (long, long[:, -N_CTX:]))
+    a, b = (model.generate(p, 4, temperature=0, method=method)[:, -4:]
+            for p in (long, long[:, -N_CTX:]))
     assert torch.equal(a, b)
 
 
@@ -519,8 +516,8 @@ def test_param_counts_and_flops():
     assert M.flops_per_token(cfg) == 6 * dense + 2 * 6 * N * D
     total = sum(p.numel() for p in build_model(llama).parameters())
     assert M.flops_per_token(llama) == 6 * (total - V * D) + 2 * 12 * N * D
-    assert M.flops_per_token(dataclasses.replace(llama,
-                                                 objective='mtp2')) == 2 * M.flops_per_token(llama)
+    mtp2 = dataclasses.replace(llama, objective='mtp2')
+    assert M.flops_per_token(mtp2) == 2 * M.flops_per_token(llama)
 
 
 def test_flops_count_work_per_use():
@@ -627,8 +624,7 @@ def test_bad_inputs_are_value_errors():
 # =============================================================================
 # 4. train.py
 
-LEARNS = ([(a, o, []) for a in ('mixer', 'llama', 'gpt', 'hybrid', 'gmlp',
-                                'elita') for o in ('clm', 'mtp2', 'half')]
+LEARNS = ([(a, o, []) for a in ARCHS for o in ('clm', 'mtp2', 'half')]
           + [(a, o, []) for a in ('mixer', 'llama') for o in ('autoencoder', 'bidirectional')]
           # padded batches, pad mask
           + [('llama', 'clm', ['--batch_mode=documents', '--padding=left'])])
@@ -662,8 +658,8 @@ def test_document_batches(data, padding):
     assert torch.equal(x, get('train', 3, 1)[0]) and not torch.equal(x, get('train', 3, 0)[0])
     stream = np.fromfile(os.path.join(data, 'train.bin'), dtype=meta['dtype']).astype(np.int64)
     starts = np.load(os.path.join(data, 'train_docs.npy'))
-    chunks = {(s + k): e for s,
-              e in zip(starts, np.append(starts[1:], len(stream))) for k in range(0, e - s - 1, n)}
+    chunks = {(s + k): e for s, e in zip(starts, np.append(starts[1:], len(stream)))
+              for k in range(0, e - s - 1, n)}
     for row in range(16):
         real = mask[row].nonzero()[:, 0]
         # one contiguous run
@@ -737,8 +733,8 @@ def test_rank_pieces_cover_every_row_once(accum, batch, world):
     """Every (micro-step, row shard) goes to exactly one rank, and every rank gets as many."""
     pieces = [p for r in range(world) for p in train.rank_pieces(accum, batch, world, r)]
     shards = pieces[0][2]
-    assert sorted((m, s) for m, s,
-                  _ in pieces) == [(m, s) for m in range(accum) for s in range(shards)]
+    assert sorted((m, s) for m, s, _ in pieces) == [
+        (m, s) for m in range(accum) for s in range(shards)]
     assert len({len(train.rank_pieces(accum, batch, world, r)) for r in range(world)}) == 1
     assert batch % shards == 0
 
@@ -1158,14 +1154,13 @@ def test_info_nce_is_eq7():
     tau, f = 0.02, lambda a, b: math.exp(float(a @ b / (a.norm() * b.norm())) / 0.02)  # noqa: E731
     q, t = unit(6, 16, seed=1), unit(6, 16, seed=2)
     by_hand = [-math.log(f(q[i], t[i]) / sum(f(q[i], t[j]) for j in range(6))) for i in range(6)]
-    assert retrieve.info_nce(q, t, torch.arange(6),
-                             tau).item() == pytest.approx(np.mean(by_hand), rel=1e-9)
+    got = retrieve.info_nce(q, t, torch.arange(6), tau).item()
+    assert got == pytest.approx(np.mean(by_hand), rel=1e-9)
     q3, cands, labels = unit(3, 16, seed=3), unit(3, 31, 16, seed=4), torch.tensor([0, 17, 30])
-    by_hand = [-math.log(f(q3[b],
-                           cands[b, labels[b]]) / sum(f(q3[b],
-                                                        c) for c in cands[b])) for b in range(3)]
-    assert retrieve.info_nce(q3, cands, labels,
-                             tau).item() == pytest.approx(np.mean(by_hand), rel=1e-9)
+    by_hand = [-math.log(f(q3[b], cands[b, labels[b]]) / sum(f(q3[b], c) for c in cands[b]))
+               for b in range(3)]
+    got = retrieve.info_nce(q3, cands, labels, tau).item()
+    assert got == pytest.approx(np.mean(by_hand), rel=1e-9)
     nce = lambda *a: retrieve.info_nce(*a, tau).item()  # noqa: E731
     both = retrieve.info_nce(q, t, torch.arange(6), tau, symmetric=True).item()
     assert both == pytest.approx((nce(q, t, torch.arange(6)) + nce(t, q, torch.arange(6))) / 2,
@@ -1191,9 +1186,8 @@ def test_info_nce_of_row_shards_averages_to_the_batch(corpus, negatives):
         idx, _, labels = batch
         e = F.normalize(emb(idx).mean(1), dim=-1)
         q, rest = e[:len(labels)], e[len(labels):]
-        return retrieve.info_nce(q,
-                                 rest if negatives == 'inbatch' else rest.view(len(labels), -1, 8),
-                                 labels)
+        targets = rest if negatives == 'inbatch' else rest.view(len(labels), -1, 8)
+        return retrieve.info_nce(q, targets, labels)
     torch.testing.assert_close(loss(get('train', 2, 0)),
                                sum(loss(get('train', 2, 0, s, 2)) for s in range(2)) / 2)
 
