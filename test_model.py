@@ -1477,7 +1477,6 @@ def test_index_and_search(corpus, capsys, tmp_path):
     code, out, _ = run_main(capsys, 'retrieve', 'search', f'--index={index}', '--query=sort',
                             f'--ckpt={llama}')
     assert code == 0 and out.startswith('1. ')
-    # no leftovers
     names = sorted(p.name.split('.')[0] for p in index.iterdir())
     assert names == ['chunks', 'embeddings', 'manifest']  # no leftovers
 
