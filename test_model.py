@@ -2453,3 +2453,16 @@ def test_cuda_sample_and_bench(trained, capsys):
     assert 0 < rows[0]['mb'] < rows[1]['mb']
     rows = bench.main(['generate', *gpu, '--n_ctx=64', '--prompt=16', '--new_tokens=8', '--batch_size=1,4'])
     assert len(rows) == 3 * 3 and all(r['tokens_per_s'] > 0 and r['fraction'] > 0 for r in rows)
+
+
+# ---- i23-model
+
+def test_stream_runs_one_forward_per_yielded_token():
+    """A drained stream of n tokens runs the prefill and n - 1 cached steps, none after the last."""
+    model, calls = tiny_model(), []
+
+    def step(tok, pos, cache):
+        calls.append(pos)
+        return model.step(tok, pos, cache)
+    assert len(list(model.stream(prompt(4), 3, temperature=0, step=step))) == 3
+    assert calls == [4, 5]                     # the 2nd and 3rd tokens; the 1st is the prefill's
