@@ -63,61 +63,58 @@ class ModelConfig:
         one_of('objective', self.objective, OBJECTIVES)
         one_of('pos_channel', self.pos_channel, ('none', 'input', 'every'))
         one_of('hybrid_order', self.hybrid_order, ('attn_mix', 'mix_attn', 'parallel'))
+        arch, e, two_streams = self.arch, self.expansion, self.objective == 'bidirectional'
         if self.n_heads == 0:
-            self.n_heads = 4 if self.arch in ('llama', 'gpt', 'hybrid', 'elita') else 1
-        self.pos_emb = self.pos_emb or self.arch == 'gpt'  # GPT-1 always learns its positions
-        two_streams = self.objective == 'bidirectional'
+            self.n_heads = 4 if arch in ('llama', 'gpt', 'hybrid', 'elita') else 1
+        self.pos_emb = self.pos_emb or arch == 'gpt'  # GPT-1 always learns its positions
         if self.share_ffn is None:  # the author's: one DoubleMixerBlock, but two Llama stacks
-            self.share_ffn = not (two_streams and self.arch == 'llama')
+            self.share_ffn = not (two_streams and arch == 'llama')
         for name in ('vocab_size', 'n_ctx', 'd_model', 'n_layers', 'n_heads', 'kernel', 'n_convs'):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a positive integer")
-        if self.hybrid_order != 'attn_mix' and self.arch != 'hybrid':
+        if self.hybrid_order != 'attn_mix' and arch != 'hybrid':
             raise ValueError(f"hybrid_order={self.hybrid_order}: only arch hybrid has one")
         if self.d_model % self.n_heads:
             raise ValueError(f"n_heads={self.n_heads} must divide d_model={self.d_model}")
-        if self.arch in ('llama', 'hybrid') and self.d_model // self.n_heads % 2:
-            raise ValueError(f"n_heads={self.n_heads}: RoPE needs an even head size d_model // n_heads")
+        if arch in ('llama', 'hybrid') and self.d_model // self.n_heads % 2:
+            raise ValueError(f"n_heads={self.n_heads}: RoPE needs an even d_model // n_heads")
         if not isinstance(self.share_ffn, bool) or not (self.share_ffn or two_streams):
             raise ValueError(f"share_ffn={self.share_ffn!r}: None (per arch), True or False; "
                              f"only objective bidirectional has two streams to keep apart")
-        self.check_mixer()
-        if not self.causal and (self.arch == 'elita' or self.objective != 'clm'):
+        # the masked-mixer variants, each where it is defined
+        if arch not in ('mixer', 'hybrid') and (self.kernel, e, self.n_convs, self.softmax) != (
+                1, 0, 1, False):
+            raise ValueError(f"arch={arch}: kernel, expansion, n_convs and softmax are "
+                             f"masked-mixer variants: use arch mixer or hybrid")
+        if arch == 'gmlp' and self.n_heads != 1:
+            raise ValueError("n_heads: gmlp has one spatial projection: use 0 or 1")
+        if self.kernel > self.d_model // (self.n_heads if arch == 'mixer' else 1):
+            raise ValueError(f"kernel={self.kernel} must not exceed the channels it slides along")
+        if e and not (e > 0 and int(e * self.n_ctx) >= 1):
+            raise ValueError(f"expansion={e}: use 0 (flat) or e > 0 with e * n_ctx >= 1")
+        if e and (not self.causal or two_streams):
+            raise ValueError(f"expansion={e}: the expanded mixing is defined for tril only")
+        if e and self.n_convs > 1:
+            raise ValueError("n_convs: parallel mixings are a flat-mixer variant: use expansion=0")
+        if self.softmax and two_streams:
+            raise ValueError("softmax: the reverse stream's last rows have nothing to normalise")
+        if self.pos_channel != 'none' and (arch, self.n_heads) != ('mixer', 1):
+            raise ValueError(f"pos_channel={self.pos_channel}: blocks of width d_model + 1 are "
+                             f"defined for a one-head mixer: use pos_channel=none")
+        if not self.causal and (arch == 'elita' or self.objective != 'clm'):
             raise ValueError("causal=False is for clm encoders of arch mixer/llama/gpt/hybrid/gmlp")
-        if self.objective in ('autoencoder', 'bidirectional') and self.arch not in ('mixer', 'llama'):
+        if self.objective in ('autoencoder', 'bidirectional') and arch not in ('mixer', 'llama'):
             raise ValueError(f"objective={self.objective} is built of mixer or llama blocks: "
                              f"use arch mixer or llama")
         if self.objective == 'half' and (self.n_layers < 2 or self.n_ctx < 2):
             raise ValueError("objective=half needs n_layers >= 2 (an encoder and a decoder half)")
-
-    def check_mixer(self):
-        """The masked-mixer variants: where each one is defined."""
-        e, variant = self.expansion, (self.kernel, self.expansion, self.n_convs, self.softmax)
-        if self.arch not in ('mixer', 'hybrid') and variant != (1, 0, 1, False):
-            raise ValueError(f"arch={self.arch}: kernel, expansion, n_convs and softmax are "
-                             f"masked-mixer variants: use arch mixer or hybrid")
-        if self.arch == 'gmlp' and self.n_heads != 1:
-            raise ValueError("n_heads: gmlp has one spatial projection: use 0 or 1")
-        if self.kernel > self.d_model // (self.n_heads if self.arch == 'mixer' else 1):
-            raise ValueError(f"kernel={self.kernel} must not exceed the channels it slides along")
-        if e and not (e > 0 and int(e * self.n_ctx) >= 1):
-            raise ValueError(f"expansion={e}: use 0 (flat) or e > 0 with e * n_ctx >= 1")
-        if e and (not self.causal or self.objective == 'bidirectional'):
-            raise ValueError(f"expansion={e}: the expanded mixing is defined for tril only")
-        if e and self.n_convs > 1:
-            raise ValueError("n_convs: parallel mixings are a flat-mixer variant: use expansion=0")
-        if self.softmax and self.objective == 'bidirectional':
-            raise ValueError("softmax: the reverse stream's last rows have nothing to normalise")
-        if self.pos_channel != 'none' and (self.arch, self.n_heads) != ('mixer', 1):
-            raise ValueError(f"pos_channel={self.pos_channel}: blocks of width d_model + 1 are "
-                             f"defined for a one-head mixer: use pos_channel=none")
 
     @property
     def width(self):  # channels the blocks run at: the position channel is appended to d_model
         return self.d_model + (self.pos_channel != 'none')
 
 
-# ----------------------------------------------------------------------------- the masked mixer
+# ---- the masked mixer ----------------------------------------------------------------------------
 
 class Mixing(nn.Module):
     """Masked linear mixing over positions, the heart of the masked mixer, per head of channels:
@@ -135,7 +132,7 @@ class Mixing(nn.Module):
         self.bias = nn.Parameter(torch.empty(heads, n_out, 1).uniform_(-bound, bound))
 
     def forward(self, x, pos=0, rows=None):
-        """x (B, H, S, c): the inputs at positions [0, S) -> out (B, H, rows, c) at [pos, pos + rows)."""
+        """x (B, H, S, c), inputs at positions [0, S) -> out (B, H, rows, c) at [pos, pos+rows)."""
         rows = x.shape[2] - pos if rows is None else rows
         W = self.weight[..., pos:pos + rows, :x.shape[2]]           # rows [pos, pos + rows) of W
         if self.softmax:  # -inf before the softmax, so the future gets no weight
@@ -168,10 +165,15 @@ class ConvMixing(Mixing):
 
 
 class ParallelMixing(nn.ModuleList):
-    """n_convs = p > 1, the blog's parallel mixer: sum_i GELU(W_i x + b_i), one mixing per i."""
+    """Mixings side by side on one input, outputs summed, each through act: the blog's parallel
+    mixer (n_convs = p > 1, sum_i GELU(W_i x + b_i)) and the parallel hybrid (attention + mixer)."""
 
-    def forward(self, x, pos=0, rows=None):
-        return sum(F.gelu(mix(x, pos, rows)) for mix in self)
+    def __init__(self, modules, act=None):
+        super().__init__(modules)
+        self.act = act or (lambda y: y)
+
+    def forward(self, x, *args):
+        return sum(self.act(module(x, *args)) for module in self)
 
 
 class TokenMixing(nn.Module):
@@ -189,7 +191,8 @@ class TokenMixing(nn.Module):
         def mixing(n_out, n_in):
             kw = dict(heads=self.heads, softmax=cfg.softmax, direction=direction)
             if cfg.n_convs > 1:
-                return ParallelMixing(Mixing(n_out, n_in, **kw) for _ in range(cfg.n_convs))
+                mixings = [Mixing(n_out, n_in, **kw) for _ in range(cfg.n_convs)]
+                return ParallelMixing(mixings, act=F.gelu)
             return ConvMixing(n_out, n_in, kernel=cfg.kernel, **kw) if cfg.kernel > 1 else \
                 Mixing(n_out, n_in, **kw)
         self.mix = mixing(self.m, n)
@@ -222,9 +225,10 @@ class Cache(dict):
         old, end = self.get(key) if pos else None, pos + x.shape[2]
         if torch.is_grad_enabled() or (old is not None and len(old) != len(x)):
             # concatenate: no in-place writes under autograd; a batch-1 prefix serves every row
-            full = x if old is None else torch.cat([old[:, :, :pos].expand(len(x), -1, -1, -1), x], 2)
-            self[key] = full
-            return full
+            if old is not None:
+                x = torch.cat([old[:, :, :pos].expand(len(x), -1, -1, -1), x], 2)
+            self[key] = x
+            return x
         if old is None or old.shape[2] < self.n_ctx:
             buf = x.new_zeros(*x.shape[:2], self.n_ctx, x.shape[3])
             if old is not None:
@@ -234,14 +238,15 @@ class Cache(dict):
         return old[:, :, :end]
 
 
-# ----------------------------------------------------------------------------- blocks and the model
+# ---- blocks and the model ------------------------------------------------------------------------
 
 class MLP(nn.Module):
     """Position-wise d -> 4d -> d with GELU (the mixer's feed-forward; GPT-1's uses GELU's tanh)."""
 
     def __init__(self, d, hidden, approximate='none'):
         super().__init__()
-        self.fc, self.out, self.approximate = nn.Linear(d, hidden), nn.Linear(hidden, d), approximate
+        self.fc, self.out = nn.Linear(d, hidden), nn.Linear(hidden, d)
+        self.approximate = approximate
 
     def forward(self, x):
         return self.out(F.gelu(self.fc(x), approximate=self.approximate))
@@ -268,7 +273,7 @@ class Block(nn.Module):
         elif arch == 'hybrid':  # the blog's orderings of attention and a masked mixing
             attn, mix = Attention(cfg, direction), TokenMixing(cfg, direction)
             mixers = {'attn_mix': [attn, mix], 'mix_attn': [mix, attn],
-                      'parallel': [Parallel([attn, mix])]}[cfg.hybrid_order]
+                      'parallel': [ParallelMixing([attn, mix])]}[cfg.hybrid_order]
             self.ffn = SwiGLU(d, 4 * d)
         elif arch == 'gmlp':  # one sublayer: the gated MLP holds the spatial mixing
             mixers, self.ffn = [GatedMLP(cfg, direction)], None
@@ -304,12 +309,11 @@ class Backbone(nn.Module):
             cfg.arch == 'llama' or (cfg.arch in ('mixer', 'gmlp') and direction == 'causal'))
 
     def forward(self, x, pos=0, cache=None, mask=None):  # idx (B, T) or embeddings (B, T, d)
-        cfg, T = self.cfg, x.shape[1]
         if self.wte is not None:
-            check_tokens(x, cfg, pos)
-            x = self.wte(x)
-        elif pos + T > cfg.n_ctx:
-            raise ValueError(f"sequence of {pos + T} positions exceeds n_ctx={cfg.n_ctx}")
+            x = self.wte(check_tokens(x, self.cfg.vocab_size, pos))
+        cfg, T = self.cfg, x.shape[1]
+        if pos + T > cfg.n_ctx:
+            raise ValueError(f"{pos + T} positions exceed n_ctx={cfg.n_ctx}: crop them")
         if self.wpe is not None:
             x = x + self.wpe.weight[pos:pos + T]
         at = torch.arange(pos, pos + T, device=x.device)
@@ -343,17 +347,15 @@ class Backbone(nn.Module):
         return self(idx[:, cut:], cut, cache)
 
 
-def check_tokens(idx, cfg, pos=0):
+def check_tokens(idx, vocab_size, pos=0):  # -> idx (B, T), its ids in [0, vocab_size)
     if idx.dim() != 2:
         raise ValueError(f"idx must be (B, T) token ids, got shape {tuple(idx.shape)}")
-    if pos + idx.shape[1] > cfg.n_ctx:
-        raise ValueError(f"sequence of {pos + idx.shape[1]} tokens exceeds n_ctx={cfg.n_ctx}: "
-                         f"crop it or train with a larger n_ctx")
     # decode steps feed sampled ids (no sync); meta tensors (FLOP counting) have no values
     checked = pos == 0 and not torch.compiler.is_compiling() and idx.device.type != 'meta'
-    if checked and idx.numel() and (idx.min() < 0 or idx.max() >= cfg.vocab_size):
-        raise ValueError(f"token ids must lie in [0, vocab_size={cfg.vocab_size}), got "
+    if checked and idx.numel() and (idx.min() < 0 or idx.max() >= vocab_size):
+        raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}), got "
                          f"[{int(idx.min())}, {int(idx.max())}]")
+    return idx
 
 
 def add_lm_head(model, cfg, wte):
@@ -409,36 +411,29 @@ class LanguageModel(nn.Module):
                method='cache', generator=None, step=None):
         """Yield (token (B,), logits (B, vocab)) per new token. method='window' is the paper's
         (§4.2): the whole window runs again for each token, O(n^3 d) per window for a mixer.
-        method='cache' keeps what each position contributed in a Cache and runs only the new
-        position, O(n^2 d), the same numbers up to float rounding. A full window slides alike in
-        both: its last n_ctx/2 tokens are re-encoded at the window start. step: a replacement for
-        self.step on one new token (sample.py's compiled step)."""
+        method='cache' runs only the new position against a Cache of the earlier ones, O(n^2 d),
+        the same numbers up to float rounding. A full window slides alike in both: its last n/2
+        tokens are re-encoded at the window start. step: replaces self.step on one new token."""
         if self.cfg.objective == 'half' or not self.cfg.causal:
             raise ValueError("generation needs a causal next-token model (objective clm or mtp2)")
         one_of('method', method, ('cache', 'window'))
         n, step = self.cfg.n_ctx, step or self.step
         cache = Cache(n) if method == 'cache' else None
-
-        def next_logits(window, new):  # logits after `window`, whose last `new` tokens are unseen
-            length = window.shape[1]
-            if cache is None:  # a full forward over the padded window (causal: filler is unseen)
-                h = self.backbone(F.pad(window, (0, n - length)))[:, length - 1]
-                return self.lm_head(h).float()
-            if new == length:  # the prompt (or a slid window) in one pass at position 0
-                return self.step(window, 0, cache)
-            return step(window[:, -1:], length - 1, cache)
-
-        window = idx[:, -n:]
-        logits = next_logits(window, window.shape[1])
+        window, fresh = idx[:, -n:], True  # fresh: no token of the window is in the cache yet
         for _ in range(max_new_tokens):
+            T = window.shape[1]
+            if cache is None:  # a full forward over the padded window (causal: filler is unseen)
+                logits = self.lm_head(self.backbone(F.pad(window, (0, n - T)))[:, T - 1]).float()
+            elif fresh:  # the prompt (or a slid window) in one pass at position 0
+                logits = self.step(window, 0, cache)
+            else:
+                logits = step(window[:, -1:], T - 1, cache)
             tok = sample_token(logits, temperature, top_k, top_p, generator)
             yield tok, logits
             window = torch.cat([window, tok[:, None]], dim=1)
-            if window.shape[1] > n:  # slide: re-encode the last n/2 tokens at the window start
+            fresh = window.shape[1] > n
+            if fresh:  # slide: re-encode the last n/2 tokens at the window start
                 window = window[:, -(n // 2):]
-                logits = next_logits(window, window.shape[1])
-            else:
-                logits = next_logits(window, 1)
 
 
 def sample_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
@@ -474,13 +469,11 @@ def objective_targets(objective, x, y, mask=None):
     return t
 
 
-def half_split(length):
-    """Objective half: the first predicted position of a length-T input (where the backbone's
-    blanking and objective_targets' training both start)."""
+def half_split(length):  # objective half: where the backbone's blanking and the targets start
     return length // 2
 
 
-# ----------------------------------------------------------------------------- baselines: Llama and GPT-1
+# ---- baselines: Llama and GPT-1 ------------------------------------------------------------------
 
 def attend(q, k, v, direction, pos, key_mask):
     """softmax(q k^T / sqrt(d) + mask) v, queries q (B, H, T, d) at [pos, pos + T), keys and values
@@ -488,20 +481,18 @@ def attend(q, k, v, direction, pos, key_mask):
     CPU flash kernel in bf16, fwd + bwd, T 512). One query (a decoding step) is two GEMVs
     everywhere: SDPA on an H100 planned afresh for each new key length."""
     t, s = q.shape[2], k.shape[2]
-    mask, is_causal = None, False
-    if key_mask is not None or direction == 'reverse' or (direction == 'causal' and t not in (s, 1)):
-        qi = torch.arange(pos, pos + t, device=q.device)[:, None]
-        ki = torch.arange(s, device=q.device)[None, :]
-        mask = {'causal': ki <= qi, 'reverse': (ki >= qi + 2) | (ki == qi), 'none': ki >= 0}[direction]
-        if key_mask is not None:  # pad keys are never read, but a query reads itself (no NaN row)
-            mask = mask & (key_mask[:, None, None, :] | (ki == qi))
-    else:  # no mask, or SDPA's own causal one
-        is_causal = direction == 'causal' and t > 1
+    qi = torch.arange(pos, pos + t, device=q.device)[:, None]          # query positions (T, 1)
+    ki = torch.arange(s, device=q.device)[None, :]                      # key positions (1, S)
+    mask = {'causal': ki <= qi, 'reverse': (ki >= qi + 2) | (ki == qi), 'none': None}[direction]
+    if key_mask is not None:  # pad keys are never read, but a query reads itself (no NaN row)
+        mask = (ki >= 0 if mask is None else mask) & (key_mask[:, None, None, :] | (ki == qi))
+    elif direction == 'causal' and t in (s, 1):  # a causal square, or one query reading all
+        mask = None
+    is_causal = mask is None and direction == 'causal' and t > 1
     if q.device.type != 'cpu' and t > 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
     scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5                # (B, H, T, S)
-    if is_causal:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    mask = ki <= qi if is_causal else mask
     if mask is not None:
         scores = scores.masked_fill(~mask, float('-inf'))
     return scores.softmax(-1).type_as(v) @ v
@@ -552,14 +543,7 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(a) * b)
 
 
-# ----------------------------------------------------------------------------- hybrid, gMLP, ELiTA
-
-class Parallel(nn.ModuleList):
-    """Sublayers side by side on one normed input, outputs added (the parallel hybrid)."""
-
-    def forward(self, x, pos=0, cache=None, mask=None):
-        return sum(layer(x, pos, cache, mask) for layer in self)
-
+# ---- hybrid, gMLP, ELiTA -------------------------------------------------------------------------
 
 class GatedMLP(nn.Module):
     """gMLP's block body: up-projection, GELU, Spatial Gating Unit, down-projection. SGU: split
@@ -616,10 +600,8 @@ class ELiTAAttention(nn.Module):
             state = (key.new_full((B, self.heads), float('-inf')),
                      v.new_zeros(B, self.heads, v.shape[-1]), key.new_zeros(B, self.heads))
         ys = []
-        for a in range(0, T, ELITA_CHUNK):
-            chunk = slice(a, a + ELITA_CHUNK)
-            y, state = self.scan(key[..., chunk], diag[..., chunk], query[..., chunk],
-                                 v[:, :, chunk], state)
+        for chunk in zip(*(t.split(ELITA_CHUNK, dim=2) for t in (key, diag, query, v))):
+            y, state = self.scan(*chunk, state)
             ys.append(y)
         if cache is not None:
             cache[self] = state
@@ -655,7 +637,7 @@ class ELiTAFeedForward(nn.Module):
         return self.w3(outer.flatten(-2))
 
 
-# ----------------------------------------------------------------------------- bidirectional, autoencoder, retrieval
+# ---- bidirectional, autoencoder, retrieval -------------------------------------------------------
 
 class BidirectionalLM(nn.Module):
     """Paper §5.1, fig S11: a forward stream (tril) and a reverse stream (triu, offset 2), added
@@ -685,8 +667,7 @@ class BidirectionalLM(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def hidden(self, idx, mask=None):
-        check_tokens(idx, self.cfg)
-        x = self.wte(idx)
+        x = self.wte(check_tokens(idx, self.cfg.vocab_size))
         return self.fwd(x, mask=mask) + self.rev(x, mask=mask)
 
     def forward(self, idx, targets=None, mask=None):
@@ -743,7 +724,7 @@ def build_model(cfg):
     return models.get(cfg.objective, LanguageModel)(cfg)
 
 
-# ----------------------------------------------------------------------------- FLOPs for MFU
+# ---- FLOPs for MFU -------------------------------------------------------------------------------
 
 def flops_per_token(cfg):
     """Training FLOPs per token, forward + backward, PaLM's count: 6 per weight a token passes
@@ -758,15 +739,16 @@ def flops_per_token(cfg):
         def count(mod, inputs, out):
             x = inputs[0]
             if isinstance(mod, Mixing):  # rows x (inputs read) x channels, per head and kernel
-                flops.append(6 * mod.weight[..., 0, 0].numel() * out.shape[2] * x.shape[2] * x.shape[0]
-                             * x.shape[3])
+                B, _, S, c = x.shape
+                flops.append(6 * mod.weight[..., 0, 0].numel() * out.shape[2] * S * B * c)
             elif isinstance(mod, Attention):
                 flops.append(12 * x.shape[0] * x.shape[1] ** 2 * x.shape[2])
             elif not isinstance(mod, nn.Embedding):  # a lookup is no matmul; biases, norms count
                 flops.append(6 * sum(p.numel() for p in mod.parameters(recurse=False))
                              * x[..., 0].numel())
             if isinstance(mod, ELiTAAttention):  # the scan's masked block products
-                flops.append(6 * x.shape[0] * x.shape[1] * min(ELITA_CHUNK, x.shape[1]) * x.shape[2])
+                B, T, d = x.shape
+                flops.append(6 * B * T * min(ELITA_CHUNK, T) * d)
         hooks = [m.register_forward_hook(count) for m in model.modules()]
         idx = torch.zeros(1, cfg.n_ctx, dtype=torch.long)
         model(idx, targets=idx)

@@ -622,6 +622,17 @@ def test_bad_inputs_are_value_errors():
         next(build_model(tiny(objective='half')).stream(torch.zeros(1, 2, dtype=torch.long), 1))
 
 
+def test_stream_runs_one_forward_per_yielded_token():
+    """A drained stream of n tokens runs the prefill and n - 1 cached steps, none after the last."""
+    model, calls = tiny_model(), []
+
+    def step(tok, pos, cache):
+        calls.append(pos)
+        return model.step(tok, pos, cache)
+    assert len(list(model.stream(prompt(4), 3, temperature=0, step=step))) == 3
+    assert calls == [4, 5]                     # the 2nd and 3rd tokens; the 1st is the prefill's
+
+
 # =============================================================================
 # 4. train.py
 
