@@ -190,11 +190,11 @@ class TokenMixing(nn.Module):
 
         def mixing(n_out, n_in):
             kw = dict(heads=self.heads, softmax=cfg.softmax, direction=direction)
-            if cfg.n_convs > 1:
-                mixings = [Mixing(n_out, n_in, **kw) for _ in range(cfg.n_convs)]
-                return ParallelMixing(mixings, act=F.gelu)
-            return ConvMixing(n_out, n_in, kernel=cfg.kernel, **kw) if cfg.kernel > 1 else \
-                Mixing(n_out, n_in, **kw)
+            one = lambda: (ConvMixing(n_out, n_in, kernel=cfg.kernel, **kw) if cfg.kernel > 1
+                           else Mixing(n_out, n_in, **kw))
+            if cfg.n_convs > 1:  # each parallel mixing has the kernel too
+                return ParallelMixing([one() for _ in range(cfg.n_convs)], act=F.gelu)
+            return one()
         self.mix = mixing(self.m, n)
         self.mix2 = mixing(n, self.m) if cfg.expansion else None
 
