@@ -168,9 +168,7 @@ class Runtime:
     why: str = ''  # printed in the first log line
     distributed: bool = False  # launched by torchrun: a process group and DDP, even for one process
 
-    @property
-    def master(self):  # the process that logs and saves
-        return self.rank == 0
+    master = property(lambda self: self.rank == 0)  # the process that logs and saves
 
     def describe(self):
         ddp = f", DDP over {dist.get_backend()}" if self.distributed else ''
@@ -182,12 +180,10 @@ class Runtime:
 
 
 def rank_pieces(grad_accum, batch_size, world, rank):
-    """This rank's share of an optimizer step, as (micro, shard, shards) triples. A step is
-    grad_accum micro-batches of batch_size rows whatever the world size: whole micro-batches are
-    dealt out to the ranks, and where the ranks outnumber them (torchrun with the default
-    grad_accum=1) each micro-batch is cut into `shards` equal row shards. A shard's loss is a
-    mean over its real targets, so fit weighs it by its share of the micro-batch's (equal in
-    packed batches, not in padded documents); DDP averages the ranks: the same step."""
+    """This rank's share of a step, as (micro, shard, shards) triples: the grad_accum
+    micro-batches are dealt out to the ranks, and where the ranks outnumber them each is cut into
+    `shards` equal row shards (fit weighs a shard's mean loss by its share of the micro-batch's
+    real targets); DDP averages the ranks: the same step whatever the world size."""
     shards = world // math.gcd(grad_accum, world)
     if batch_size % shards:
         raise ValueError(f"{world} processes cannot share a step of grad_accum={grad_accum} x "
@@ -219,9 +215,8 @@ def setup_runtime(cfg, recorded=None):
 
 
 def check_on_every_rank(runtime, check):
-    """Run check(), which raises ValueError to refuse, on every rank, and share the refusals before
-    any other collective: under torchrun all ranks exit 2 together and rank 0 prints the one error
-    line, where the others would go on into DDP and die with a traceback when their peer left."""
+    """Run check() (a ValueError refuses) on every rank and share the refusals before any other
+    collective: all ranks exit 2 together, rank 0 printing the one line (not DDP tracebacks)."""
     if not runtime.distributed:
         return check()
     try:
@@ -231,10 +226,9 @@ def check_on_every_rank(runtime, check):
         error = str(e)
     errors = [None] * runtime.world
     dist.all_gather_object(errors, error)
-    error = next((e for e in errors if e), '')
-    if error:
+    if any(errors):
         if runtime.master:   # before any rank exits: torchrun stops the others when one does
-            print(f"error: {error}", file=sys.stderr, flush=True)
+            print(f"error: {next(e for e in errors if e)}", file=sys.stderr, flush=True)
         dist.barrier()
         raise SystemExit(2)   # run_main returns it as the exit status
 
@@ -320,13 +314,11 @@ def trim_log(path, step):
 def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_token=None,
         real_targets=None):
     """Train `model` until the budget is spent, evaluating and checkpointing every eval_interval.
-    get_batch(split, step, micro, shard=0, shards=1) -> a tuple of CPU tensors (None entries pass
-    through; the first one's numel counts as tokens): row shard `shard` of `shards` of micro-batch
-    `micro` of `step` (see rank_pieces; step=None: evaluation batch `micro`), a pure function of its
-    arguments. loss_fn(model, batch) -> scalar loss; it must call model(...), where DDP's hooks are.
-    ckpt_extra goes into every checkpoint; resume (a checkpoint dict) is continued exactly.
-    real_targets(batch) -> int: how many targets loss_fn averages over, where row shards of a
-    micro-batch can hold different counts (padded documents); None: every row holds as many.
+    get_batch(split, step, micro, shard=0, shards=1) -> a tuple of CPU tensors (the first one's
+    numel counts as tokens), a pure function of its arguments (step None: evaluation batch micro).
+    loss_fn(model, batch) -> scalar loss, through model(...) where DDP's hooks are. ckpt_extra goes
+    into every checkpoint; resume (a checkpoint dict) is continued exactly. real_targets(batch) ->
+    how many targets loss_fn averages over where row shards differ (padded documents), else None.
     Returns dict(step, tokens_seen, train_time, best_val, train_loss, val_loss, stopped), stopped
     'budget' or 'diverged' (a non-finite loss: nothing more is saved, the last checkpoint stays)."""
     out_dir, device, scaler, master = cfg['out_dir'], runtime.device, runtime.scaler, runtime.master
