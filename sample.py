@@ -3,17 +3,15 @@ Sample text from a model trained with train.py; tokens stream to stdout as they 
 
     python sample.py --prompt="def main("                       # out/best.pt (else out/ckpt.pt)
     python sample.py --ckpt=out/ckpt.pt --prompt=FILE:start.py --num_samples=3 --top_k=50
-    python sample.py --prompt="def main(" --temperature=0 --method=window   # greedy, the paper's way
-    python sample.py --prompt="def main(" --compile             # compiled cached steps (after a compile)
+    python sample.py --prompt="def main(" --temperature=0 --method=window  # greedy, the paper's
+    python sample.py --prompt="def main(" --compile            # compiled cached steps
 
---method picks one of the two decoders of model.py's LanguageModel.stream. `window` is the paper's
-(§4.2): each new token is written at the next position of the n_ctx window and the whole window is
-run again, O(n^3 d) for n tokens. `cache` (default) keeps what each layer's mixing has already
-seen, since position t depends only on positions <= t, so a new token costs one row of every
-mixing, O(n^2 d) per window. Both methods run in one dtype (--dtype; auto: fp32 on a CPU), so they
-print the same tokens (tested greedy, at the defaults). A full window keeps its last n_ctx/2 tokens
-and goes on. Transformers decode with their KV cache (ELiTA: its running sums) for `cache` and
-recompute the window for `window`.
+--method picks a decoder of model.py's LanguageModel.stream. `window` is the paper's (§4.2): each
+new token goes to the next position of the n_ctx window and the whole window runs again, O(n^3 d)
+for n tokens. `cache` (default) keeps what each mixing has seen (position t depends only on
+positions <= t), so a new token costs one row of every mixing, O(n^2 d) per window; transformers
+use their KV cache. Both run in one dtype (auto: fp32 on a CPU), so they print the same tokens
+(tested greedy). A full window keeps its last n_ctx/2 tokens and goes on.
 """
 import os, sys, time, warnings
 from types import SimpleNamespace
@@ -34,7 +32,7 @@ DEFAULTS = dict(
     top_p=1.0,              # nucleus sampling mass in (0, 1]; 1 = off
     seed=1337,              # the same seed gives the same samples
     method='cache',         # cache (exact, O(n^2 d) per window) | window (the paper's, O(n^3 d))
-    compile=False,          # torch.compile the cached step: faster after a one-time compile (README, Sampling)
+    compile=False,          # torch.compile the cached step: faster after a one-time compile
     device='auto',          # auto = cuda if available, else cpu
     dtype='auto',           # the weights' dtype; auto: fp32 on a CPU, else the trained one
 )
@@ -46,9 +44,9 @@ def parse_args(argv):
     if args.ckpt and args.out_dir != DEFAULTS['out_dir']:
         raise ValueError('give --out_dir or --ckpt, not both')
     if not (args.temperature == 0 or args.temperature >= 1e-3):  # (parse_args refuses nan and inf)
-        raise ValueError(f'--temperature={args.temperature} must be 0 (greedy) or a number >= 0.001')
+        raise ValueError(f'--temperature={args.temperature} must be 0 (greedy) or >= 0.001')
     if not (args.top_k >= 1 or args.top_k == -1):
-        raise ValueError(f'--top_k={args.top_k} must be >= 1 (or -1, the default, to keep every token)')
+        raise ValueError(f'--top_k={args.top_k} must be >= 1 (or -1, the default: every token)')
     if not 0 < args.top_p <= 1:
         raise ValueError(f'--top_p={args.top_p} must lie in (0, 1] (1 = off)')
     if args.num_samples < 1 or args.max_new_tokens < 0:
@@ -59,36 +57,29 @@ def parse_args(argv):
 
 
 def load(path, device, requested='auto'):
-    """(model, tokenizer, why) of a train.py language-model checkpoint, the weights cast once to the
-    dtype of decode_dtype and laid out for batch-1 GEMVs: a decoding step is bound by reading the
-    weights (bf16: half the bytes)."""
+    """(model, tokenizer, why) of a train.py language-model checkpoint, the weights cast once to
+    the decoding dtype and laid out for batch-1 GEMVs (a step is bound by reading the weights)."""
     ckpt = load_checkpoint(path)
     if ckpt['kind'] != 'lm':
-        raise ValueError(f"{path} is a {ckpt['kind']!r} checkpoint: sample from a train.py checkpoint")
+        raise ValueError(f"{path} is a {ckpt['kind']!r} checkpoint: sample from a train.py one")
     mcfg = ckpt['model_config']
     if mcfg['objective'] not in ('clm', 'mtp2') or not mcfg['causal'] or mcfg['n_ctx'] < 2:
-        raise ValueError(f"{path} holds a model with objective={mcfg['objective']}, causal={mcfg['causal']}, "
-                         f"n_ctx={mcfg['n_ctx']}: only causal next-token models (clm, mtp2), n_ctx >= 2, "
-                         f"generate text")
+        raise ValueError(f"{path} holds a model with objective={mcfg['objective']}, "
+                         f"causal={mcfg['causal']}, n_ctx={mcfg['n_ctx']}: only causal next-token "
+                         f"models (clm, mtp2), n_ctx >= 2, generate text")
     try:
         tok = prepare.Tokenizer.from_meta(ckpt['data']['meta'], ckpt['data']['data_dir'])
     except FileNotFoundError as e:
         raise ValueError(f"{e}: {path} reads its tokenizer from the data_dir it was trained on; "
                                 f"prepare that data again there") from None
-    dtype, why = decode_dtype(device, requested, ckpt.get('dtype'))
+    if requested == 'auto' and device.type == 'cpu':  # one dtype for both methods: same text
+        dtype, why = torch.float32, 'a CPU decodes in fp32 (bf16 GEMVs are slower)'
+    else:  # the checkpoint's dtype where the device has it natively
+        dtype, why = reading_dtype(device, requested, ckpt.get('dtype'))
     return decode_layout(model_from_checkpoint(ckpt).to(device, dtype)), tok, why
 
 
-def decode_dtype(device, requested='auto', recorded=None):
-    """(dtype, why) of the weights, one for both methods so that they print the same text. auto:
-    fp32 on a CPU (its cached GEMVs ran slower in bf16 even with native bf16, README), else the
-    checkpoint's dtype where the device has it natively (train.reading_dtype)."""
-    if requested == 'auto' and device.type == 'cpu':
-        return torch.float32, 'a CPU decodes in fp32 with either method (bf16 GEMVs are slower)'
-    return reading_dtype(device, requested, recorded)
-
-
-# ----------------------------------------------------------------------------- fast decoding on a CPU
+# ----------------------------------------------------------------------------- fast CPU decoding
 
 # max-autotune writes a table of timings per tuned op to stderr as it compiles: off, unless
 # asked for with inductor's own TORCHINDUCTOR_AUTOTUNE_NUM_CHOICES_DISPLAYED or
@@ -119,7 +110,8 @@ def compiled_step(model):
     compiled = torch.compile(model.step, dynamic=True,
                              options=dict(max_autotune=True, **QUIET_AUTOTUNE))
     # nor the deprecation warning that max-autotune's CPU benchmarks raise inside torch
-    warnings.filterwarnings('ignore', 'TypedStorage is deprecated', UserWarning, r'torch\._inductor')
+    warnings.filterwarnings('ignore', 'TypedStorage is deprecated', UserWarning,
+                            r'torch\._inductor')
     config, versions = torch._inductor.config, param_versions(model)
 
     def step(tok, pos, cache):  # dynamo reads `freezing` as it traces, inside the call
@@ -147,14 +139,14 @@ def write_samples(model, tok, ids, args, generator, step=None):
     idx = torch.tensor(samples, dtype=torch.long, device=generator.device)     # (num_samples, T0)
     shown = tok.decode(ids)
     sys.stdout.write(shown)
-    for tokens, _ in model.stream(idx, args.max_new_tokens, temperature=args.temperature, method=args.method,
-                                  top_k=args.top_k if args.top_k > 0 else None, top_p=args.top_p,
-                                  generator=generator, step=step):
-        for i, token in enumerate(tokens.tolist()):                            # tokens (num_samples,)
+    for tokens, _ in model.stream(idx, args.max_new_tokens, temperature=args.temperature,
+                                  method=args.method, top_k=args.top_k if args.top_k > 0 else None,
+                                  top_p=args.top_p, generator=generator, step=step):
+        for i, token in enumerate(tokens.tolist()):                      # tokens (num_samples,)
             ended[i] = ended[i] or token == tok.eos_id
             if not ended[i]:
                 samples[i].append(token)
-        text = tok.decode(samples[0]).rstrip('\ufffd')  # decoded whole: a split character prints once complete
+        text = tok.decode(samples[0]).rstrip('\ufffd')  # a split character prints once whole
         if len(text) > len(shown):
             sys.stdout.write(text[len(shown):])
             sys.stdout.flush()
@@ -166,14 +158,6 @@ def write_samples(model, tok, ids, args, generator, step=None):
     return sum(len(sample) - len(ids) for sample in samples)
 
 
-def warm_up(model, step, ids, num_samples, device):
-    """Compile the cached step before the samples: a few greedy steps on a batch shaped like theirs,
-    at two positions or more (dynamo compiles position 1 apart). Their text does not change."""
-    idx = torch.tensor([list(ids)] * num_samples, dtype=torch.long, device=device)  # (B, T0)
-    for _ in model.stream(idx, 3, temperature=0, method='cache', step=step):
-        pass
-
-
 def sample(argv):
     args = parse_args(argv)
     device = resolve_device(args.device)
@@ -183,10 +167,10 @@ def sample(argv):
     prompt = args.prompt
     if prompt.startswith('FILE:'):
         prompt = prepare.read_text_file(prompt[len('FILE:'):], '--prompt=FILE: file')
-    ids, keep = tok.encode(prompt, bos=True), model.cfg.n_ctx - 1  # BOS starts every document; keep room
-    if len(ids) > keep:                                                # in the window for a new token
-        print(f'warning: the prompt has {len(ids)} tokens; keeping its last {keep} (the window holds '
-              f'n_ctx={keep + 1})', file=sys.stderr)
+    ids, keep = tok.encode(prompt, bos=True), model.cfg.n_ctx - 1  # room for a new token
+    if len(ids) > keep:
+        print(f'warning: the prompt has {len(ids)} tokens; keeping its last {keep} (the window '
+              f'holds n_ctx={keep + 1})', file=sys.stderr)
         ids = ids[-keep:]
     dtype = str(next(model.parameters()).dtype)[6:]
     print(f'sampling from {path} ({model.cfg.arch}, method {args.method}, {device} {dtype}: {why})',
@@ -194,20 +178,22 @@ def sample(argv):
     step = None
     if args.compile and args.method == 'cache' and args.max_new_tokens:   # timed on its own
         t0 = time.perf_counter()
-        step = compiled_step(model)
-        warm_up(model, step, ids, args.num_samples, device)
+        step = compiled_step(model)  # compiled on a batch shaped like the samples', 2+ positions
+        idx = torch.tensor([list(ids)] * args.num_samples, dtype=torch.long, device=device)
+        for _ in model.stream(idx, 3, temperature=0, method='cache', step=step):
+            pass
         print(f'compiled the cached step in {time.perf_counter() - t0:.1f} s (once per process; '
               f'not in the tokens/s below)', file=sys.stderr)
     t0 = time.perf_counter()
     try:
-        n_new = write_samples(model, tok, ids, args, torch.Generator(device=device).manual_seed(args.seed),
-                              step)
+        generator = torch.Generator(device=device).manual_seed(args.seed)
+        n_new = write_samples(model, tok, ids, args, generator, step)
     except BrokenPipeError:  # the reader went away (| head): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     dt = time.perf_counter() - t0
-    print(f'{n_new} tokens ({args.num_samples} sample{"s" * (args.num_samples > 1)} in one batch) in {dt:.2f} s '
-          f'({n_new / max(dt, 1e-9):.1f} tokens/s)', file=sys.stderr)
+    print(f'{n_new} tokens ({args.num_samples} sample{"s" * (args.num_samples > 1)} in one batch) '
+          f'in {dt:.2f} s ({n_new / max(dt, 1e-9):.1f} tokens/s)', file=sys.stderr)
 
 
 def main(argv=None):

@@ -949,6 +949,108 @@ def test_lr_schedule():
     assert train.get_lr(dict(cfg, schedule='cosine'), 50, 0.25) > train.get_lr(cfg, 50, 0.25)
 
 
+def test_demo_preset_is_a_step_budget_so_its_result_does_not_depend_on_the_machine():
+    """A wall-clock budget trains for fewer steps on a busy machine; a step budget does not."""
+    cfg = prepare.parse_args([os.path.join(HERE, 'config', 'demo.py')], train.DEFAULTS)
+    assert cfg['max_time'] == 0 and cfg['max_iters'] > 0
+
+
+def test_step_line_shows_elapsed_time_and_what_is_left(data, tmp_path, capsys):
+    """Each step line ends with the wall time so far and the training time left, from the step or
+    time budget, whichever ends first."""
+    assert train_run(data, tmp_path, '--max_iters=10', '--eval_interval=10') == 0
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('step 5 |')]
+    assert len(lines) == 1 and re.search(r'\| \d+:\d\d elapsed, ~\d+:\d\d left$', lines[0]), lines
+    cfg = dict(max_iters=100, max_time=0.0)
+    assert train.time_left(cfg, 50, 1e3, 2.0) == 100.0                    # steps: 50 at 2 s
+    assert train.time_left({**cfg, 'max_time': 60.0}, 50, 50.0, 2.0) == 10.0   # time ends first
+    assert train.clock(3723) == '1:02:03' and train.clock(59.9) == '0:59'
+
+
+def test_train_without_arguments_on_a_cpu_names_the_demo(tmp_path, monkeypatch, capsys):
+    """The defaults are GPU-sized: on a CPU a bare `python train.py` says what to run instead, at
+    once, rather than training for hours (run where there is no data, which it must not reach)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    code, _, err = run_main(capsys, 'train')
+    assert code == 2 and 'config/demo.py' in err and 'GPU' in err, err
+    assert not os.listdir(tmp_path)
+
+
+def test_slow_evaluation_shows_its_progress_and_fast_ones_do_not(data, tmp_path, monkeypatch,
+                                                                  capsys):
+    argv = ['--max_iters=2', '--eval_interval=2']
+    assert train_run(data, tmp_path / 'a', *argv) == 0
+    assert 'evaluating' not in capsys.readouterr().err
+    monkeypatch.setattr(train, 'EVAL_QUIET_S', 0.0)  # as if every batch took long
+    assert train_run(data, tmp_path / 'b', *argv) == 0
+    assert 'evaluating val: batch 2 of 2' in capsys.readouterr().err
+
+
+def test_ctrl_c_says_whether_anything_was_saved(data, tmp_path, monkeypatch, capsys):
+    """Before the first checkpoint nothing can be resumed: the message says to rerun with
+    --overwrite (the folder holds a log); after it, to resume."""
+    evaluate = train.evaluate
+
+    def interrupt_at(step):
+        def fake(cfg, *args):
+            if fake.calls == step:
+                raise KeyboardInterrupt
+            fake.calls += 1
+            return evaluate(cfg, *args)
+        fake.calls = 0
+        return fake
+    monkeypatch.setattr(train, 'evaluate', interrupt_at(0))
+    code, _, err = run_main(capsys, 'train', f'--data_dir={data}', f'--out_dir={tmp_path}', *TINY,
+                            '--max_iters=8', '--eval_interval=4')
+    assert code == 130 and 'nothing was saved' in err and '--overwrite' in err, err
+    assert 'resume' not in err
+    monkeypatch.setattr(train, 'evaluate', interrupt_at(2))    # after step 4's checkpoint
+    code, _, err = run_main(capsys, 'train', f'--data_dir={data}', f'--out_dir={tmp_path}', *TINY,
+                            '--max_iters=8', '--eval_interval=4', '--overwrite')
+    assert code == 130 and '--init_from=resume' in err, err
+
+
+def test_resume_and_fresh_runs_name_the_way_out(data, tmp_path, capsys):
+    """No checkpoint to resume: start afresh with --overwrite. A folder holding a log but no
+    checkpoint: --overwrite only; one holding a checkpoint: resume or --overwrite."""
+    argv = [f'--data_dir={data}', f'--out_dir={tmp_path}', *TINY, '--max_iters=4']
+    refused(capsys, 'train', [*argv, '--init_from=resume'], '--overwrite')
+    (tmp_path / 'log.jsonl').write_text('')
+    code, _, err = run_main(capsys, 'train', *argv)
+    assert code == 2 and '--overwrite' in err and '--init_from=resume' not in err, err
+    assert train_run(data, tmp_path, '--max_iters=4', '--eval_interval=4', '--overwrite') == 0
+    code, _, err = run_main(capsys, 'train', *argv)
+    assert code == 2 and '--overwrite' in err and '--init_from=resume' in err, err
+
+
+def test_resuming_a_spent_budget_says_so_at_once(data, tmp_path, monkeypatch, capsys):
+    """It names --max_iters and --max_time, and evaluates nothing again."""
+    assert train_run(data, tmp_path, '--max_iters=4', '--eval_interval=4') == 0
+    log = (tmp_path / 'log.jsonl').read_text()
+    monkeypatch.setattr(train, 'evaluate', None)  # would raise if called
+    code, out, err = run_main(capsys, 'train', f'--data_dir={data}', f'--out_dir={tmp_path}',
+                              *TINY, '--max_iters=4', '--init_from=resume')
+    assert code == 2 and 'spent' in err and '--max_iters' in err and '--max_time' in err, err
+    assert (tmp_path / 'log.jsonl').read_text() == log
+
+
+@pytest.mark.parametrize('preset,dataset', [('tinystories_mixer', 'tinystories'),
+                                            ('fineweb_llama', 'fineweb-edu')])
+def test_a_preset_without_its_data_names_its_prepare_command(preset, dataset, tmp_path,
+                                                             monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no data/ here
+    code, _, err = run_main(capsys, 'train', os.path.join(HERE, 'config', f'{preset}.py'))
+    assert code == 2 and f'python prepare.py {dataset}' in err, err
+
+
+def test_outputs_default_under_out_which_git_ignores():
+    """Passes before this change too: every training output lands in out/, which is ignored."""
+    assert train.DEFAULTS['out_dir'] == sample.DEFAULTS['out_dir'] == 'out'
+    ignored = open(os.path.join(HERE, '.gitignore')).read().split()
+    assert 'out*/' in ignored or 'out/' in ignored
+
+
 # =============================================================================
 # 5. sample.py (and the decoding speed-ups it holds)
 

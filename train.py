@@ -1,38 +1,17 @@
 """
-Train a nanomixer model: one readable loop for every arch and objective, on one device or a
-DDP node, with AMP, fixed compute budgets (max_iters and/or max_time), exact resume and MFU logs.
+Train a nanomixer model: one loop for every arch and objective, on one device or a DDP node.
 
-  python train.py                                   # DEFAULTS below; CUDA if present, else CPU
-  python train.py config/demo.py --max_time=60      # a preset (`key = value` lines), then overrides
+  python train.py config/demo.py                    # the CPU demo (the defaults are GPU-sized)
   python train.py config/demo.py --init_from=resume # continue out_dir/ckpt.pt exactly
   torchrun --standalone --nproc_per_node=4 train.py config/fineweb_mixer.py     # one node
-  torchrun --nnodes=2 --nproc_per_node=4 --node_rank=0 --rdzv_backend=c10d \
-           --rdzv_endpoint=HOST:29500 train.py config/fineweb_mixer.py  # each node, its --node_rank
 
-Batches and determinism. An optimizer step averages grad_accum micro-batches of batch_size
-sequences of n_ctx tokens whatever the number of processes, so a preset is the same experiment on
-1 GPU or 8: the micro-batches are dealt out to the DDP ranks, and where the ranks outnumber them
-each is cut into equal row shards (rank_pieces). Micro-batch j of step s is a pure function of
-(seed, split, s, j), so ranks read disjoint rows and a run's data does not depend on its world
-size. Nothing in training draws from the global RNGs (no model has dropout), so a checkpoint's
-weights, AdamW moments, loss scale and counters are all a resumed run needs to end bit-identical.
-
-Budget and precision. The run stops when step reaches max_iters or the training time (evaluation
-excluded) reaches max_time seconds, whichever comes first (0 = no limit); the learning rate warms
-up, then decays as that budget is used (get_lr), so time-budgeted runs are fair but not
-bit-reproducible (step budgets are). --dtype=auto picks bf16 autocast where the hardware has it
-and float32 on CPUs that would emulate it (choose_dtype); the first log line says why. The
-checkpoint records that dtype, and a resumed run keeps it.
-
-Objective bidirectional: --share_ffn=None (or auto, the default) follows the author's code per
-arch: the mixer's two streams share each block's feed-forward and its norm, llama's are two
-separate stacks; true or false overrides it, and the checkpoint stores what was built.
-
-Files in out_dir: ckpt.pt (last), best.pt (lowest val loss), log.jsonl (one JSON object per log
-line and per evaluation; a resumed run first drops records past its checkpoint's step). A scratch
-run refuses an out_dir that holds a run: resume it, pass --overwrite, or use a new out_dir.
-retrieve.py trains through setup_runtime and fit; the other scripts share the dtype, device and
-checkpoint helpers.
+A step averages grad_accum micro-batches of batch_size sequences whatever the number of processes
+(rank_pieces), and micro-batch j of step s is a pure function of (seed, split, s, j): a preset is
+the same experiment on 1 GPU or 8, and a resumed run ends bit-identical (no model has dropout).
+The run stops at max_iters steps or max_time seconds of training, whichever comes first; the
+learning rate decays as that budget is used. --dtype=auto picks bf16 where the hardware has it
+natively, else float32 (fp16 on old GPUs); the checkpoint records it and a resume keeps it.
+out_dir gets ckpt.pt (last), best.pt (lowest val loss) and log.jsonl (one JSON object per line).
 """
 import functools, json, math, os, sys, time
 from contextlib import nullcontext
@@ -45,7 +24,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import ModelConfig, build_model, flops_per_token, measure_peak_flops, objective_targets
-from prepare import SPLITS, check_out_dir, parse_args, remove_leftovers, run_main, write_atomic
+from prepare import (DATASETS, SPLITS, check_out_dir, parse_args, remove_leftovers, run_main,
+                     write_atomic)
 
 # ----------------------------------------------------------------------------- configuration
 
@@ -65,22 +45,23 @@ LOOP_DEFAULTS = dict(
     eval_seconds=0.0,       # > 0: evaluate every this many seconds of training instead
     eval_iters=20,
     log_interval=10,
-    dtype='auto',           # auto: bf16 on CUDA and on CPUs with native bf16, else fp32 (fp16 on old GPUs)
+    dtype='auto',           # auto: bf16 where native (CUDA, some CPUs), else fp32 (old GPUs: fp16)
     device='auto',          # auto = cuda if available, else cpu
     compile=False,
     seed=1337,
-    overwrite=False,        # a scratch run may replace the run already in out_dir (else it is an error)
+    overwrite=False,        # a scratch run may replace the run already in out_dir
 )
 DEFAULTS = dict(
     data_dir='data/pystdlib',
-    batch_mode='packed',    # packed: random windows of the token stream | documents: padded document chunks
+    batch_mode='packed',    # packed: random windows of the token stream | documents: padded chunks
     padding='right',        # documents: pads after the text (paper's CLM runs) or before it (§6.1)
     init_from='scratch',    # scratch | resume (out_dir/ckpt.pt)
-    **{f.name: f.default for f in fields(ModelConfig) if f.name != 'vocab_size'},  # vocab: meta.json
+    **{f.name: f.default for f in fields(ModelConfig) if f.name != 'vocab_size'},  # vocab: meta
     **LOOP_DEFAULTS,
 )
-CHOICES = dict(batch_mode=('packed', 'documents'), padding=('right', 'left'), schedule=('linear', 'cosine'),
-               dtype=('auto', 'bfloat16', 'float16', 'float32'), init_from=('scratch', 'resume'))
+CHOICES = dict(batch_mode=('packed', 'documents'), padding=('right', 'left'),
+               schedule=('linear', 'cosine'), init_from=('scratch', 'resume'),
+               dtype=('auto', 'bfloat16', 'float16', 'float32'))
 MODEL_KEYS = [f.name for f in fields(ModelConfig) if f.name != 'vocab_size']
 
 
@@ -98,55 +79,49 @@ def check_loop(cfg):
     budget_used(cfg, 0, 0.0)  # a run needs a budget
 
 
-# ----------------------------------------------------------------------------- runtime
+# ----------------------------------------------------------------------------- device and dtype
 
 # Dense bf16/fp16 tensor-core peaks from NVIDIA datasheets (TFLOP/s, first match in this order);
 # other GPUs, and float32, are measured.
-GPU_PEAK_TFLOPS = {'H200': 989, 'H100 PCIe': 756, 'H100': 989, 'A100': 312, 'L40S': 362, 'V100': 125}
-NO_BF16_ENV = 'NANOMIXER_NO_BF16'  # =1: treat the CPU as one without native bf16 (tests force the fallback)
+GPU_PEAK_TFLOPS = {'H200': 989, 'H100 PCIe': 756, 'H100': 989, 'A100': 312, 'L40S': 362,
+                   'V100': 125}
+NO_BF16_ENV = 'NANOMIXER_NO_BF16'  # =1: act as a CPU without native bf16 (tests the fallback)
 
 
 def cpu_bf16():
-    """(use bf16?, why) for this CPU. bf16 pays only where the CPU multiplies bf16 natively
-    (AVX512-BF16/AMX, or Arm's BF16): elsewhere oneDNN emulates it ~500x slower than fp32. The
-    capability query decides, not a timing: a machine gives the same answer however busy it is."""
+    """(native bf16?, why) for this CPU: without AVX512-BF16/AMX (or Arm's BF16) oneDNN emulates
+    it ~500x slower than fp32. A capability query, not a timing: load cannot flip the answer."""
     if os.environ.get(NO_BF16_ENV, '') not in ('', '0'):
         return False, f"native bf16 switched off by {NO_BF16_ENV}"
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     cap = torch.backends.cpu.get_cpu_capability()
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return False, f"no native bf16 on this CPU: {cap}"
-    return True, f"native bf16 on this CPU: {cap}"
+    return native, f"{'native' if native else 'no native'} bf16 on this CPU: {cap}"
 
 
 def choose_dtype(device, requested='auto', recorded=None):
-    """(torch dtype, why) for autocast. auto: the dtype a resumed run recorded (`recorded`, a
-    name such as 'bfloat16'), else CUDA bf16 where supported, else fp16 (with a GradScaler); CPU
-    bf16 where native, else fp32. An explicit dtype wins (why says so if the record differs)."""
+    """(torch dtype, why) for autocast: as asked, else the dtype a resumed run `recorded`, else
+    bf16 where native, fp16 on a GPU without bf16 (with a GradScaler), float32 on other CPUs."""
+    cuda = device.type == 'cuda'
     if requested == 'auto' and recorded:
-        if recorded == 'float16' and device.type != 'cuda':
+        if recorded == 'float16' and not cuda:
             raise ValueError("this run was trained in float16 on a CUDA GPU: to go on on a CPU, "
                              "pass --dtype=float32 (or bfloat16)")
         dtype, why = choose_dtype(device, recorded)
         return dtype, "recorded by the run it resumes" + (f"; {why}" if why != 'as asked' else '')
-    if requested != 'auto':
-        dtype = getattr(torch, requested)
-        if dtype == torch.float16 and device.type != 'cuda':
-            raise ValueError("--dtype=float16 is for CUDA GPUs (with a GradScaler): on CPU use auto, bfloat16 or float32")
-        if dtype == torch.bfloat16 and device.type == 'cpu' and not cpu_bf16()[0]:
-            print(f"warning: bfloat16 on a CPU without native bf16 ({cpu_bf16()[1]}): matmuls are "
-                  f"emulated, hundreds of times slower than float32; ask for --dtype=float32",
-                  file=sys.stderr)
-        if dtype == torch.bfloat16 and device.type == 'cuda' and not torch.cuda.is_bf16_supported():
-            return torch.float16, "bfloat16 asked, but this GPU has none: fp16 with a GradScaler"
-        if recorded and recorded != requested:
-            return dtype, f"as asked; the run it resumes was trained in {recorded}"
-        return dtype, "as asked"
-    if device.type == 'cuda':
-        if torch.cuda.is_bf16_supported():
-            return torch.bfloat16, "this GPU has bf16"
+    if requested == 'float16' and not cuda:
+        raise ValueError("--dtype=float16 is for CUDA GPUs (with a GradScaler): on a CPU use auto, "
+                         "bfloat16 or float32")
+    native, why = (torch.cuda.is_bf16_supported(), "this GPU has bf16") if cuda else cpu_bf16()
+    if requested in ('auto', 'bfloat16') and cuda and not native:
         return torch.float16, "no bf16 on this GPU: fp16 with a GradScaler"
-    use, why = cpu_bf16()
-    return (torch.bfloat16 if use else torch.float32), why
+    if requested == 'bfloat16' and not native:
+        print(f"warning: bfloat16 on a CPU without native bf16 ({why}): matmuls are emulated, "
+              f"hundreds of times slower than float32; ask for --dtype=float32", file=sys.stderr)
+    if requested == 'auto':
+        return (torch.bfloat16 if native else torch.float32), why
+    if recorded and recorded != requested:
+        return getattr(torch, requested), f"as asked; the run it resumes was trained in {recorded}"
+    return getattr(torch, requested), "as asked"
 
 
 def reading_dtype(device, requested='auto', recorded=None):
@@ -166,17 +141,21 @@ def reading_dtype(device, requested='auto', recorded=None):
 def resolve_device(name):
     """'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or 'cuda:N' as a usable torch.device."""
     try:
-        device = torch.device(('cuda' if torch.cuda.is_available() else 'cpu') if name == 'auto' else name)
+        device = torch.device(('cuda' if torch.cuda.is_available() else 'cpu') if name == 'auto'
+                              else name)
     except RuntimeError:
-        raise ValueError(f"--device={name} is not a torch device: use auto, cpu, cuda or cuda:N") from None
+        raise ValueError(f"--device={name} is not a torch device: use auto, cpu, cuda or cuda:N") \
+            from None
     if device.type not in ('cpu', 'cuda'):
         raise ValueError(f"--device={name}: nanomixer runs on cpu or cuda (or auto)")
     if device.type == 'cuda' and not torch.cuda.is_available():
         raise ValueError(f"--device={name} but no CUDA GPU is visible: use --device=cpu (or auto)")
     if device.type == 'cuda':  # an index, as some CUDA calls (memory limits) require
-        device = torch.device('cuda', torch.cuda.current_device() if device.index is None else device.index)
+        device = torch.device('cuda', torch.cuda.current_device() if device.index is None
+                              else device.index)
         if device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device={name}: this machine has {torch.cuda.device_count()} GPU(s), cuda:0 and up")
+            raise ValueError(f"--device={name}: this machine has {torch.cuda.device_count()} "
+                             f"GPU(s), cuda:0 and up")
     return device
 
 
@@ -196,7 +175,7 @@ def peak_flops(device, dtype):
 
 @dataclass
 class Runtime:
-    """Where this process trains: device, autocast dtype (and why), GradScaler, DDP rank and world size."""
+    """Where this process trains: device, autocast dtype (and why), GradScaler, DDP rank, world."""
     device: torch.device
     dtype: torch.dtype
     scaler: torch.amp.GradScaler
@@ -205,9 +184,7 @@ class Runtime:
     why: str = ''  # printed in the first log line
     distributed: bool = False  # launched by torchrun: a process group and DDP, even for one process
 
-    @property
-    def master(self):  # the process that logs and saves
-        return self.rank == 0
+    master = property(lambda self: self.rank == 0)  # the process that logs and saves
 
     def describe(self):
         ddp = f", DDP over {dist.get_backend()}" if self.distributed else ''
@@ -219,26 +196,27 @@ class Runtime:
 
 
 def rank_pieces(grad_accum, batch_size, world, rank):
-    """This rank's share of an optimizer step, as (micro, shard, shards) triples. A step is
-    grad_accum micro-batches of batch_size rows whatever the world size: whole micro-batches are
-    dealt out to the ranks, and where the ranks outnumber them (torchrun with the default
-    grad_accum=1) each micro-batch is cut into `shards` equal row shards. A shard's loss is a
-    mean over its real targets, so fit weighs it by its share of the micro-batch's (equal in
-    packed batches, not in padded documents); DDP averages the ranks: the same step."""
+    """This rank's share of a step, as (micro, shard, shards) triples: the grad_accum
+    micro-batches are dealt out to the ranks, and where the ranks outnumber them each is cut into
+    `shards` equal row shards (fit weighs a shard's mean loss by its share of the micro-batch's
+    real targets); DDP averages the ranks: the same step whatever the world size."""
     shards = world // math.gcd(grad_accum, world)
     if batch_size % shards:
-        raise ValueError(f"{world} processes cannot share a step of grad_accum={grad_accum} x batch_size={batch_size}: "
-                         f"use a batch_size divisible by {shards}, or a grad_accum divisible by {world}")
+        raise ValueError(f"{world} processes cannot share a step of grad_accum={grad_accum} x "
+                         f"batch_size={batch_size}: use a batch_size divisible by {shards}, or a "
+                         f"grad_accum divisible by {world}")
     per_rank = grad_accum * shards // world
-    return [(p // shards, p % shards, shards) for p in range(rank * per_rank, (rank + 1) * per_rank)]
+    return [(p // shards, p % shards, shards)
+            for p in range(rank * per_rank, (rank + 1) * per_rank)]
 
 
 def setup_runtime(cfg, recorded=None):
     """Device, DDP (when launched by torchrun), AMP dtype (recorded: the dtype name of the run being
     resumed, kept under --dtype=auto) and GradScaler; seeds torch."""
-    world, distributed = int(os.environ.get('WORLD_SIZE', 1)), 'RANK' in os.environ  # set by torchrun
-    rank, local_rank = int(os.environ.get('RANK', 0)), int(os.environ.get('LOCAL_RANK', 0))
-    rank_pieces(cfg['grad_accum'], cfg['batch_size'], world, rank)  # fails early if the ranks cannot share a step
+    env = lambda key, default: int(os.environ.get(key, default))  # noqa: E731 (set by torchrun)
+    world, rank, local_rank = env('WORLD_SIZE', 1), env('RANK', 0), env('LOCAL_RANK', 0)
+    distributed = 'RANK' in os.environ
+    rank_pieces(cfg['grad_accum'], cfg['batch_size'], world, rank)  # refuses early
     device = resolve_device(cfg['device'])
     dtype, why = choose_dtype(device, cfg['dtype'], recorded)
     if device.type == 'cuda':
@@ -253,9 +231,8 @@ def setup_runtime(cfg, recorded=None):
 
 
 def check_on_every_rank(runtime, check):
-    """Run check(), which raises ValueError to refuse, on every rank, and share the refusals before
-    any other collective: under torchrun all ranks exit 2 together and rank 0 prints the one error
-    line, where the others would go on into DDP and die with a traceback when their peer left."""
+    """Run check() (a ValueError refuses) on every rank and share the refusals before any other
+    collective: all ranks exit 2 together, rank 0 printing the one line (not DDP tracebacks)."""
     if not runtime.distributed:
         return check()
     try:
@@ -265,16 +242,15 @@ def check_on_every_rank(runtime, check):
         error = str(e)
     errors = [None] * runtime.world
     dist.all_gather_object(errors, error)
-    error = next((e for e in errors if e), '')
-    if error:
+    if any(errors):
         if runtime.master:   # before any rank exits: torchrun stops the others when one does
-            print(f"error: {error}", file=sys.stderr, flush=True)
+            print(f"error: {next(e for e in errors if e)}", file=sys.stderr, flush=True)
         dist.barrier()
         raise SystemExit(2)   # run_main returns it as the exit status
 
 
 def configure_optimizer(model, lr, weight_decay, device_type, betas=(0.9, 0.999)):
-    """AdamW (the paper's default betas); weight decay on matrices/mixings, not on biases and norms."""
+    """AdamW (the paper's betas); weight decay on matrices and mixings, not on biases and norms."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
               dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
@@ -300,7 +276,7 @@ def budget_used(cfg, step, train_time):
     return max(steps, train_time / cfg['max_time'] if cfg['max_time'] else 0.0)
 
 
-# ----------------------------------------------------------------------------- checkpoints and out_dir
+# ----------------------------------------------------------------------------- checkpoints
 
 OLD_LAYOUT = 'be76ede'  # the last commit whose blocks were lists of sublayers
 
@@ -313,14 +289,17 @@ def save_checkpoint(obj, path):
 def load_checkpoint(path, map_location='cpu'):
     path = str(path)
     if not os.path.isfile(path):
-        raise ValueError(f"no checkpoint at {path}: train one with python train.py (or pass the right out_dir)")
+        raise ValueError(f"no checkpoint at {path}: train one with python train.py (or pass the "
+                         f"right out_dir)")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated zip, wrong file, pickled classes: all the same to the user
         why = (str(e).strip().splitlines() or [''])[0][:160]
-        raise ValueError(f"{path} is not a readable nanomixer checkpoint ({type(e).__name__}: {why})") from None
+        raise ValueError(f"{path} is not a readable nanomixer checkpoint "
+                         f"({type(e).__name__}: {why})") from None
     if not isinstance(ckpt, dict) or not {'kind', 'model'} <= ckpt.keys():
-        raise ValueError(f"{path} is not a readable nanomixer checkpoint (no 'kind'/'model' entries)")
+        raise ValueError(f"{path} is not a readable nanomixer checkpoint (no 'kind'/'model' "
+                         f"entries)")
     if any('.layers.' in key for key in ckpt['model']):  # blocks were lists of sublayers then
         raise ValueError(f"{path} has an older model layout: read it with nanomixer at commit "
                          f"{OLD_LAYOUT} (git checkout {OLD_LAYOUT}), or train again")
@@ -330,7 +309,8 @@ def load_checkpoint(path, map_location='cpu'):
 def model_from_checkpoint(ckpt):
     """The checkpoint's model, weights loaded, in eval mode (on CPU; move it where you need it)."""
     if 'model_config' not in ckpt:
-        raise ValueError(f"a {ckpt.get('kind')!r} checkpoint without model_config cannot be rebuilt here")
+        raise ValueError(f"a {ckpt.get('kind')!r} checkpoint without model_config cannot be "
+                         f"rebuilt here")
     model = build_model(ModelConfig(**ckpt['model_config']))
     model.load_state_dict(ckpt['model'])
     return model.eval()
@@ -341,7 +321,8 @@ def trim_log(path, step):
     (a last line without its newline was cut short by kill -9)."""
     if os.path.exists(path):
         lines = Path(path).read_text().splitlines(keepends=True)
-        write_atomic(path, ''.join(r for r in lines if r.endswith('\n') and json.loads(r)['step'] <= step))
+        kept = [r for r in lines if r.endswith('\n') and json.loads(r)['step'] <= step]
+        write_atomic(path, ''.join(kept))
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -349,41 +330,45 @@ def trim_log(path, step):
 def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_token=None,
         real_targets=None):
     """Train `model` until the budget is spent, evaluating and checkpointing every eval_interval.
-    get_batch(split, step, micro, shard=0, shards=1) -> a tuple of CPU tensors (None entries pass
-    through; the first one's numel counts as tokens): row shard `shard` of `shards` of micro-batch
-    `micro` of `step` (see rank_pieces; step=None: evaluation batch `micro`), a pure function of its
-    arguments. loss_fn(model, batch) -> scalar loss; it must call model(...), where DDP's hooks are.
-    ckpt_extra goes into every checkpoint; resume (a checkpoint dict) is continued exactly.
-    real_targets(batch) -> int: how many targets loss_fn averages over, where row shards of a
-    micro-batch can hold different counts (padded documents); None: every row holds as many.
+    get_batch(split, step, micro, shard=0, shards=1) -> a tuple of CPU tensors (the first one's
+    numel counts as tokens), a pure function of its arguments (step None: evaluation batch micro).
+    loss_fn(model, batch) -> scalar loss, through model(...) where DDP's hooks are. ckpt_extra goes
+    into every checkpoint; resume (a checkpoint dict) is continued exactly. real_targets(batch) ->
+    how many targets loss_fn averages over where row shards differ (padded documents), else None.
     Returns dict(step, tokens_seen, train_time, best_val, train_loss, val_loss, stopped), stopped
     'budget' or 'diverged' (a non-finite loss: nothing more is saved, the last checkpoint stays)."""
     out_dir, device, scaler, master = cfg['out_dir'], runtime.device, runtime.scaler, runtime.master
-    log_path = os.path.join(out_dir, 'log.jsonl')
-    check_on_every_rank(runtime, lambda: check_out_dir(out_dir, resume is None, cfg['overwrite']))
+    log_path, ckpt_path = os.path.join(out_dir, 'log.jsonl'), os.path.join(out_dir, 'ckpt.pt')
+    check_on_every_rank(runtime, lambda: check_out_dir(out_dir, resume is None, cfg['overwrite'],
+                                                       resumable=os.path.isfile(ckpt_path)))
+    if resume is not None:
+        check_budget_left(cfg, resume['step'], resume['train_time'])
     if master:
         remove_leftovers(out_dir, resume is None)
     raw = model.to(device)
     ckpt_extra = {**ckpt_extra, 'dtype': str(runtime.dtype)[6:]}  # the run's dtype: resume keeps it
     optimizer = configure_optimizer(raw, cfg['lr'], cfg['weight_decay'], device.type)
     step, tokens_seen, train_time, best_val = 0, 0, 0.0, float('inf')
-    if resume is not None:  # what save() wrote (older checkpoints also hold rng and data_state: unused)
+    if resume is not None:  # what save() wrote
         raw.load_state_dict(resume['model'])
         optimizer.load_state_dict(resume['optimizer'])
         if scaler.is_enabled() and resume.get('scaler'):
             scaler.load_state_dict(resume['scaler'])
-        step, tokens_seen, train_time, best_val = (resume[k] for k in ('step', 'tokens_seen', 'train_time', 'best_val'))
+        step, tokens_seen, train_time, best_val = (
+            resume[k] for k in ('step', 'tokens_seen', 'train_time', 'best_val'))
         if master:
             trim_log(log_path, step)
     net = torch.compile(raw) if cfg['compile'] else raw
-    ddp = DDP(net, device_ids=[device.index] if device.type == 'cuda' else None) if runtime.distributed else net
+    ddp = net if not runtime.distributed else DDP(
+        net, device_ids=[device.index] if device.type == 'cuda' else None)
     log = open(log_path, 'a') if master else None
     peak = peak_flops(device, runtime.dtype) if flops_per_token else None
     pieces = rank_pieces(cfg['grad_accum'], cfg['batch_size'], runtime.world, runtime.rank)
-    start, saved = step, step if resume is not None else None  # saved: the step of the checkpoint on disk
+    start, saved = step, step if resume is not None else None  # saved: the checkpoint's step
     train_loss, val_loss, stopped = float('nan'), float('nan'), 'budget'
     loss_sum = torch.zeros((), device=device)  # of the micro-batch losses since the last log line
     logged_step, logged_tokens, logged_time = step, tokens_seen, train_time  # at the last log line
+    began = time.perf_counter()  # wall clock of this process, evaluation included
     raw.train()
     every = max(cfg.get('eval_seconds', 0.0), 0.0)  # > 0: evaluate at marks of training time
     next_eval = 0.0 if start == 0 or not every else (train_time // every + 1) * every
@@ -395,8 +380,8 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
             next_eval = (train_time // every + 1) * every if every else 0.0
             losses = evaluate(cfg, runtime, net, get_batch, loss_fn)
             train_loss, val_loss = losses['train'], losses['val']
-            write_log(log, step=step, train_loss=train_loss, val_loss=val_loss, tokens_seen=tokens_seen,
-                      time=round(train_time, 3))
+            write_log(log, step=step, train_loss=train_loss, val_loss=val_loss,
+                      tokens_seen=tokens_seen, time=round(train_time, 3))
             if not (math.isfinite(train_loss) and math.isfinite(val_loss)):
                 stopped = diverged(master, 'the evaluation loss', losses, step, out_dir, saved)
                 break
@@ -404,13 +389,13 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
             if master:
                 print(f"step {step}: train loss {train_loss:.4f}, val loss {val_loss:.4f}")
                 if step > 0:
-                    save(cfg, raw, optimizer, scaler, ckpt_extra, improved,
-                         step=step, tokens_seen=tokens_seen, train_time=train_time, best_val=best_val)
+                    save(cfg, raw, optimizer, scaler, ckpt_extra, improved, step=step,
+                         tokens_seen=tokens_seen, train_time=train_time, best_val=best_val)
                     saved = step
         if progress >= 1:
             break
 
-        # one optimizer step: this rank's micro-batches (or row shards of them); DDP averages the gradients
+        # one optimizer step: this rank's micro-batches (or row shards of them); DDP averages
         t0 = time.perf_counter()
         lr = get_lr(cfg, step, progress)
         for group in optimizer.param_groups:
@@ -422,7 +407,7 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
                 whole = real_targets(get_batch('train', step, micro))
                 weight = shards * real_targets(batch) / whole
             batch = to_device(batch, device)
-            sync = i == len(pieces) - 1 or not runtime.distributed  # DDP all-reduces in the last backward only
+            sync = i == len(pieces) - 1 or not runtime.distributed  # DDP syncs the last backward
             with nullcontext() if sync else ddp.no_sync(), autocast(device, runtime.dtype):
                 loss = loss_fn(ddp, batch)
             if weight != 1.0:
@@ -453,32 +438,57 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
                 stopped = diverged(master, 'the training loss', mean_loss, step, out_dir, saved)
                 break
             tps = (tokens_seen - logged_tokens) / interval_t
-            rec = dict(loss=round(mean_loss, 5), lr=lr, ms_per_step=round(1000 * interval_t / n_steps, 2),
-                       tokens_per_s=round(tps, 1), tokens_seen=tokens_seen)
+            rec = dict(loss=round(mean_loss, 5), lr=lr, tokens_per_s=round(tps, 1),
+                       ms_per_step=round(1000 * interval_t / n_steps, 2), tokens_seen=tokens_seen)
             if cfg['grad_clip']:
                 rec['grad_norm'] = round(grad_norm.item(), 4)
             if peak:
                 rec['mfu'] = round(flops_per_token * tps / (peak * runtime.world), 4)
             write_log(log, step=step, **rec)
             if master:
-                print(f"step {step} | loss {mean_loss:.4f} | lr {lr:.2e} | {rec['ms_per_step']:.0f} ms/step"
-                      f" | {tps:,.0f} tok/s" + (f" | mfu {rec['mfu']:.1%}" if peak else ''))
+                left = time_left(cfg, step, train_time, interval_t / n_steps)
+                print(f"step {step} | loss {mean_loss:.4f} | lr {lr:.2e} | "
+                      f"{rec['ms_per_step']:.0f} ms/step | {tps:,.0f} tok/s"
+                      + (f" | mfu {rec['mfu']:.1%}" if peak else '')
+                      + f" | {clock(time.perf_counter() - began)} elapsed, ~{clock(left)} left")
             loss_sum.zero_()
             logged_step, logged_tokens, logged_time = step, tokens_seen, train_time
     if log:
         log.close()
-    if runtime.distributed:  # rank 0 may still be writing the checkpoint: tear the group down together
+    if runtime.distributed:  # rank 0 may still be writing the checkpoint: leave together
         dist.barrier()
     return dict(step=step, tokens_seen=tokens_seen, train_time=train_time, best_val=best_val,
                 train_loss=train_loss, val_loss=val_loss, stopped=stopped)
+
+
+def check_budget_left(cfg, step, train_time):
+    """A resumed run whose budget is spent would only evaluate again: say how to go on instead."""
+    if budget_used(cfg, step, train_time) >= 1:
+        raise ValueError(f"the run in {cfg['out_dir']} has spent its budget (step {step} of "
+                         f"max_iters={cfg['max_iters']}, {train_time:.0f} s of max_time="
+                         f"{cfg['max_time']:g}): to train on, raise --max_iters or --max_time")
+
+
+def time_left(cfg, step, train_time, s_per_step):
+    """Seconds of training left (evaluation excluded): the step or time budget, whichever ends
+    first, steps at the last interval's pace."""
+    left = [(cfg['max_iters'] - step) * s_per_step] if cfg['max_iters'] else []
+    return max(min(left + ([cfg['max_time'] - train_time] if cfg['max_time'] else [])), 0.0)
+
+
+def clock(seconds):
+    """1:02:03 or 2:03 (h:mm:ss or m:ss)."""
+    h, m, s = int(seconds) // 3600, int(seconds) // 60 % 60, int(seconds) % 60
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
 def save(cfg, model, optimizer, scaler, ckpt_extra, best, **counters):
     """Checkpoint to out_dir/ckpt.pt, after best.pt when the val loss improved (a crash between the
     two leaves both whole). Weights, AdamW moments, the loss scale and the counters are all the next
     step depends on: batches are keyed by step and nothing draws from the global RNGs."""
-    ckpt = {**ckpt_extra, **counters, 'model': model.state_dict(), 'optimizer': optimizer.state_dict(),
-            'scaler': scaler.state_dict() if scaler.is_enabled() else None, 'config': cfg}
+    ckpt = {**ckpt_extra, **counters, 'model': model.state_dict(), 'config': cfg,
+            'optimizer': optimizer.state_dict(),
+            'scaler': scaler.state_dict() if scaler.is_enabled() else None}
     for name in ('best.pt', 'ckpt.pt') if best else ('ckpt.pt',):
         save_checkpoint(ckpt, os.path.join(cfg['out_dir'], name))
 
@@ -494,33 +504,44 @@ def write_log(log, **record):
 def diverged(master, what, value, step, out_dir, saved):
     """Say that training blew up, and where the last good checkpoint is; fit's `stopped`."""
     if master:
-        last = f"{os.path.join(out_dir, 'ckpt.pt')} (step {saved})" if saved is not None else "none (nothing was saved)"
-        print(f"error: {what} is {value} at step {step}: training stopped; the last good checkpoint is "
-              f"{last}. Lower --lr or keep --grad_clip on", file=sys.stderr)
+        last = (f"{os.path.join(out_dir, 'ckpt.pt')} (step {saved})" if saved is not None
+                else "none (nothing was saved)")
+        print(f"error: {what} is {value} at step {step}: training stopped; the last good "
+              f"checkpoint is {last}. Lower --lr or keep --grad_clip on", file=sys.stderr)
     return 'diverged'
+
+
+EVAL_QUIET_S = 3.0  # an evaluation that lasts longer shows its progress on stderr
 
 
 @torch.no_grad()
 def evaluate(cfg, runtime, model, get_batch, loss_fn):
     """Mean loss over the eval_iters fixed batches of each split (shared out over the ranks)."""
     model.eval()
-    out = {}
+    out, began, shown = {}, time.perf_counter(), False
     for split in SPLITS:
         total = torch.zeros(2, device=runtime.device, dtype=torch.float64)  # (sum of losses, count)
         for i in range(runtime.rank, cfg['eval_iters'], runtime.world):
             with autocast(runtime.device, runtime.dtype):
-                total[0] += loss_fn(model, to_device(get_batch(split, None, i), runtime.device)).double()
+                batch = to_device(get_batch(split, None, i), runtime.device)
+                total[0] += loss_fn(model, batch).double()
             total[1] += 1
+            if runtime.master and time.perf_counter() - began > EVAL_QUIET_S:
+                shown = print(f"\revaluating {split}: batch {i + 1} of {cfg['eval_iters']}",
+                              end='', file=sys.stderr, flush=True) or True
         if runtime.distributed:
             dist.all_reduce(total)
         out[split] = (total[0] / total[1]).item()
+    if shown:  # the next line starts clean
+        print('\r\033[K', end='', file=sys.stderr, flush=True)
     model.train()
     return out
 
 
 def to_device(batch, device):
     pin = device.type == 'cuda'
-    return tuple(None if t is None else (t.pin_memory() if pin else t).to(device, non_blocking=pin) for t in batch)
+    return tuple(None if t is None else (t.pin_memory() if pin else t).to(device, non_blocking=pin)
+                 for t in batch)
 
 
 # ----------------------------------------------------------------------------- data
@@ -528,21 +549,23 @@ def to_device(batch, device):
 def load_meta(data_dir):
     path = os.path.join(data_dir, 'meta.json')
     if not os.path.isfile(path):
-        raise ValueError(f"no prepared data at {data_dir}: run python prepare.py (or pass --data_dir)")
+        raise ValueError(f"no prepared data at {data_dir}: {prepare_command(data_dir)}")
     try:
         meta = json.loads(Path(path).read_text())
         np.dtype(meta['dtype'])
         if not (isinstance(meta['vocab_size'], int) and meta['vocab_size'] > 0):
             raise ValueError('vocab_size')
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} is damaged ({type(e).__name__}: {e}): prepare the data again with prepare.py") from None
+        raise ValueError(f"{path} is damaged ({type(e).__name__}: {e}): prepare the data again "
+                         f"with prepare.py") from None
     return meta
 
 
 def batch_rng(cfg, split, step, micro):
     """The numpy Generator of one micro-batch (step None: evaluation batch `micro`): a pure function
     of its arguments, so DDP ranks draw disjoint batches and a resumed run draws the same ones."""
-    return np.random.default_rng([cfg['seed'], SPLITS.index(split), int(step is not None), step or 0, micro])
+    return np.random.default_rng([cfg['seed'], SPLITS.index(split), int(step is not None),
+                                  step or 0, micro])
 
 
 class Batches:
@@ -554,36 +577,39 @@ class Batches:
             raise ValueError(f"--n_ctx={self.n} is out of range: a language model needs n_ctx >= 2")
         self.pad = meta.get('pad_id')
         if cfg['batch_mode'] == 'documents' and self.pad is None:
-            raise ValueError(f"{data_dir}/meta.json has no pad_id, which batch_mode=documents needs: re-run prepare.py")
+            raise ValueError(f"{data_dir}/meta.json has no pad_id, which batch_mode=documents "
+                             f"needs: re-run prepare.py")
         self.tokens, self.docs = {}, {}
         for split in SPLITS:
             path = os.path.join(data_dir, f'{split}.bin')
             if not os.path.isfile(path):
-                raise ValueError(f"no prepared data at {path}: run python prepare.py (or pass --data_dir)")
+                raise ValueError(f"no prepared data at {path}: {prepare_command(data_dir)}")
             size, itemsize = os.path.getsize(path), np.dtype(meta['dtype']).itemsize
             if size != meta.get(f'{split}_tokens', size // itemsize) * itemsize or size % itemsize:
-                raise ValueError(f"{path} has {size} bytes but {data_dir}/meta.json says {meta.get(f'{split}_tokens')} "
-                                 f"{meta['dtype']} tokens: the file is cut short or replaced; prepare the data again")
+                raise ValueError(f"{path} has {size} bytes but {data_dir}/meta.json says "
+                                 f"{meta.get(f'{split}_tokens')} {meta['dtype']} tokens: the file "
+                                 f"is cut short or replaced; prepare the data again")
             if size < (self.n + 2) * itemsize:
-                raise ValueError(f"{path} holds {size // itemsize} tokens, too few for n_ctx={self.n}: lower --n_ctx "
-                                 f"or prepare more text")
+                raise ValueError(f"{path} holds {size // itemsize} tokens, too few for "
+                                 f"n_ctx={self.n}: lower --n_ctx or prepare more text")
             tokens = np.memmap(path, dtype=meta['dtype'], mode='r')
             self.tokens[split] = tokens
             if cfg['batch_mode'] == 'documents':  # rows are n_ctx-token chunks of documents
                 try:
                     starts = np.load(os.path.join(data_dir, f'{split}_docs.npy')).astype(np.int64)
                 except (OSError, ValueError) as e:
-                    raise ValueError(f"{data_dir}/{split}_docs.npy is missing or damaged ({getattr(e, 'strerror', None) or e}): "
+                    why = getattr(e, 'strerror', None) or e
+                    raise ValueError(f"{data_dir}/{split}_docs.npy is missing or damaged ({why}): "
                                      f"prepare the data again") from None
                 lengths = np.diff(np.append(starts, len(tokens)))
-                chunks = (lengths + self.n - 2) // self.n  # ceil((length - 1) / n_ctx): inputs need a next token
+                chunks = (lengths + self.n - 2) // self.n  # ceil((length - 1) / n_ctx) with targets
                 if not chunks.sum():
                     raise ValueError(f"{data_dir}: no {split} document has 2 tokens or more")
                 self.docs[split] = (starts, lengths, np.cumsum(chunks))
 
     def __call__(self, split, step, micro, shard=0, shards=1):
-        """(x, targets, mask): x (B, n_ctx) inputs, targets for the objective, mask (B, n_ctx) or None.
-        With shards > 1 only rows [shard * B/shards, (shard + 1) * B/shards) of the micro-batch."""
+        """(x, targets, mask): x (B, n_ctx) inputs, targets for the objective, mask (B, n_ctx) or
+        None. With shards > 1 only rows [shard * B/shards, (shard + 1) * B/shards) of the batch."""
         cfg, n, tokens, B = self.cfg, self.n, self.tokens[split], self.cfg['batch_size']
         rng = batch_rng(cfg, split, step, micro)
         rows = slice(shard * B // shards, (shard + 1) * B // shards)
@@ -597,8 +623,8 @@ class Batches:
             x = np.full((len(chunks), n), self.pad, dtype=np.int64)
             y = np.full((len(chunks), n), -1, dtype=np.int64)
             for row, c in enumerate(chunks):
-                d = np.searchsorted(ends, c, side='right')           # the document holding chunk c
-                at = (c - (ends[d - 1] if d else 0)) * n              # chunk start within the document
+                d = np.searchsorted(ends, c, side='right')    # the document holding chunk c
+                at = (c - (ends[d - 1] if d else 0)) * n       # chunk start within the document
                 w = tokens[starts[d] + at:starts[d] + min(lengths[d], at + n + 1)].astype(np.int64)
                 k = len(w) - 1
                 col = n - k if cfg['padding'] == 'left' else 0
@@ -608,47 +634,69 @@ class Batches:
         return x, objective_targets(cfg['objective'], x, y, mask), mask
 
 
+def prepare_command(data_dir):
+    """The prepare.py command that builds data_dir (a preset's data/NAME: its dataset NAME)."""
+    name = os.path.basename(os.path.normpath(data_dir))
+    if name in DATASETS and os.path.normpath(data_dir) == os.path.join('data', name):
+        return f"run python prepare.py {name} (a preset's docstring gives its options)"
+    return f"run python prepare.py (or prepare.py DATASET --out_dir={data_dir}), or pass --data_dir"
+
+
 # ----------------------------------------------------------------------------- main
 
 def main(argv=None):
-    return run_main(lambda: train_lm(argv),  # checkpoints are written atomically: the last one is whole
-                    "interrupted: continue from the last checkpoint with --init_from=resume")
+    return run_main(lambda: train_lm(argv), "interrupted")
 
 
 def train_lm(argv):
     cfg = parse_args(argv, DEFAULTS, CHOICES, __doc__)
+    if not (sys.argv[1:] if argv is None else argv) and resolve_device('auto').type == 'cpu':
+        raise ValueError("the defaults are sized for a GPU (a 23M-parameter model, 5000 steps: "
+                         "hours on a CPU): run python train.py config/demo.py (minutes), or give "
+                         "flags (such as --device=cpu) to run them anyway")
     check_loop(cfg)
     meta = load_meta(cfg['data_dir'])
     mcfg = ModelConfig(vocab_size=meta['vocab_size'], **{k: cfg[k] for k in MODEL_KEYS})
-    resume = None
+    resume, path = None, os.path.join(cfg['out_dir'], 'ckpt.pt')
     if cfg['init_from'] == 'resume':
-        path = os.path.join(cfg['out_dir'], 'ckpt.pt')
+        if not os.path.isfile(path):
+            raise ValueError(f"no checkpoint at {path} to resume: start afresh with "
+                             f"--init_from=scratch --overwrite (or pass the run's --out_dir)")
         resume = load_checkpoint(path)
         check_resumable(resume, path, mcfg)
+        check_budget_left(cfg, resume['step'], resume['train_time'])
     get_batch = Batches(cfg, meta, cfg['data_dir'])
     runtime = setup_runtime(cfg, resume and resume.get('dtype'))
     try:
         model = build_model(mcfg)
         if runtime.master:
-            print(f"{mcfg.arch} {mcfg.objective}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+            print(f"{mcfg.arch} {mcfg.objective}: "
+                  f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
                   f"{runtime.describe()}, {runtime.world} process(es), "
                   f"{cfg['batch_size'] * cfg['grad_accum'] * mcfg.n_ctx:,} tokens per step")
         extra = {'kind': 'lm', 'model_config': asdict(mcfg),
                  'data': {'data_dir': os.path.abspath(cfg['data_dir']), 'meta': meta}}
-        loss_fn = lambda model, batch: model(batch[0], targets=batch[1], mask=batch[2])[1]  # batch: (x, targets, mask)
+        loss_fn = lambda model, batch: model(batch[0], targets=batch[1], mask=batch[2])[1]  # noqa
         # lm_loss averages over the targets that are not -1: padded documents give each row shard
         # its own count (mtp2's second term, one fewer a row, is weighed as the first); packed: all
         docs = cfg['batch_mode'] == 'documents'
         count = (lambda batch: int((batch[1] != -1).sum())) if docs else None
         stats = fit(cfg, runtime, model, get_batch, loss_fn, extra, resume, flops_per_token(mcfg),
                     count)
+    except KeyboardInterrupt:  # checkpoints are written atomically: the last one is whole
+        if runtime.master:
+            print("interrupted: " + ("continue from the last checkpoint with --init_from=resume"
+                                     if os.path.isfile(path) else "nothing was saved yet (no "
+                                     "checkpoint before the first evaluation): rerun with "
+                                     "--overwrite"), file=sys.stderr)
+        return 130
     finally:
         runtime.close()
     if stats['stopped'] == 'diverged':
         return 1
     if runtime.master:
-        print(f"done: step {stats['step']}, {stats['train_time']:.1f} s of training, val loss {stats['val_loss']:.4f} "
-              f"(best {stats['best_val']:.4f}); checkpoint in {cfg['out_dir']}/ckpt.pt")
+        print(f"done: step {stats['step']}, {stats['train_time']:.1f} s of training, val loss "
+              f"{stats['val_loss']:.4f} (best {stats['best_val']:.4f}); checkpoint in {path}")
     return 0
 
 
@@ -662,8 +710,8 @@ def check_resumable(ckpt, path, mcfg):
         was = ', '.join(f"{k}={theirs.get(k)!r}" for k in diff)
         now = ', '.join(f"{k}={ours[k]!r}" for k in diff)
         raise ValueError(f"{path} was trained with {was} but this run asks for {now} "
-                         f"(vocab_size comes from --data_dir): resume with the same preset and flags, "
-                         f"or train into a new --out_dir")
+                         f"(vocab_size comes from --data_dir): resume with the same preset and "
+                         f"flags, or train into a new --out_dir")
 
 
 if __name__ == '__main__':
