@@ -33,6 +33,70 @@ OBJECTIVES = ('clm', 'autoencoder', 'bidirectional', 'mtp2', 'half')
 ELITA_CHUNK = 64  # positions per block of ELiTA's parallel scan
 
 
+# ---- the masked mixer ----------------------------------------------------------------------------
+
+class Mixing(nn.Module):
+    """Masked linear mixing over positions, the heart of the masked mixer, per head of channels:
+    out[t] = sum_{s<=t} W[t, s] x[s] + b[t], one learned weight per pair of positions, shared by
+    every channel. The mask is applied here, never to .data, so masked weights get exactly zero
+    gradient. direction: 'causal' (tril), 'reverse' (the bidirectional LM's second stream, inputs
+    s >= t + 2) or 'none'. softmax: each row a distribution over the positions it may read."""
+
+    def __init__(self, n_out, n_in, heads=1, softmax=False, direction='causal', kernel=1):
+        super().__init__()
+        self.softmax, self.direction = softmax, direction
+        bound = 1 / math.sqrt(n_in * kernel)  # nn.Conv1d's default init, as the paper used
+        shape = (heads, n_out, n_in) if kernel == 1 else (heads, kernel, n_out, n_in)
+        self.weight = nn.Parameter(torch.empty(shape).uniform_(-bound, bound))
+        self.bias = nn.Parameter(torch.empty(heads, n_out, 1).uniform_(-bound, bound))
+
+    def forward(self, x, pos=0, rows=None):
+        """x (B, H, S, c), inputs at positions [0, S) -> out (B, H, rows, c) at [pos, pos+rows)."""
+        rows = x.shape[2] - pos if rows is None else rows
+        W = self.weight[..., pos:pos + rows, :x.shape[2]]           # rows [pos, pos + rows) of W
+        if self.softmax:  # -inf before the softmax, so the future gets no weight
+            W = W.masked_fill(~allowed(self.direction, W, pos), float('-inf')).softmax(-1)
+        elif self.direction == 'causal':
+            W = W.tril(pos)            # <- causality lives here: output t reads inputs s <= t
+        elif self.direction == 'reverse':
+            W = W.triu(pos + 2)
+        return self.product(W, x) + self.bias[:, pos:pos + rows]    # out = tril(W) @ x + b
+
+    def product(self, W, x):  # (H, R, S) @ (B, H, S, c) -> (B, H, R, c)
+        return W @ x
+
+
+def allowed(direction, W, pos):
+    """Bool (R, S): may the output at position pos + i read the input at position j?"""
+    ones = torch.ones(W.shape[-2:], dtype=torch.bool, device=W.device)
+    return {'causal': ones.tril(pos), 'reverse': ones.triu(pos + 2)}.get(direction, ones)
+
+
+class ConvMixing(Mixing):
+    """kernel > 1 (paper §9.2): the paper's Conv1d with the positions as its channels, sliding a
+    kernel-wide window along the features ('same' padding), weight (heads, kernel, n_out, n_in)."""
+
+    def product(self, W, x):
+        H, k = W.shape[:2]
+        x = F.pad(rearrange(x, 'b h s c -> b (h s) c'), ((k - 1) // 2, k // 2))
+        y = F.conv1d(x, rearrange(W, 'h k r s -> (h r) s k'), groups=H)  # (B, H * R, c)
+        return rearrange(y, 'b (h r) c -> b h r c', h=H)
+
+
+class ParallelMixing(nn.ModuleList):
+    """Mixings side by side on one input, outputs summed, each through act: the blog's parallel
+    mixer (n_convs = p > 1, sum_i GELU(W_i x + b_i)) and the parallel hybrid (attention + mixer)."""
+
+    def __init__(self, modules, act=None):
+        super().__init__(modules)
+        self.act = act or (lambda y: y)
+
+    def forward(self, x, *args):
+        return sum(self.act(module(x, *args)) for module in self)
+
+
+# ---- the configuration ---------------------------------------------------------------------------
+
 def one_of(name, value, allowed):
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is unknown: use one of {', '.join(allowed)}")
@@ -112,68 +176,6 @@ class ModelConfig:
     @property
     def width(self):  # channels the blocks run at: the position channel is appended to d_model
         return self.d_model + (self.pos_channel != 'none')
-
-
-# ---- the masked mixer ----------------------------------------------------------------------------
-
-class Mixing(nn.Module):
-    """Masked linear mixing over positions, the heart of the masked mixer, per head of channels:
-    out[t] = sum_{s<=t} W[t, s] x[s] + b[t], one learned weight per pair of positions, shared by
-    every channel. The mask is applied here, never to .data, so masked weights get exactly zero
-    gradient. direction: 'causal' (tril), 'reverse' (the bidirectional LM's second stream, inputs
-    s >= t + 2) or 'none'. softmax: each row a distribution over the positions it may read."""
-
-    def __init__(self, n_out, n_in, heads=1, softmax=False, direction='causal', kernel=1):
-        super().__init__()
-        self.softmax, self.direction = softmax, direction
-        bound = 1 / math.sqrt(n_in * kernel)  # nn.Conv1d's default init, as the paper used
-        shape = (heads, n_out, n_in) if kernel == 1 else (heads, kernel, n_out, n_in)
-        self.weight = nn.Parameter(torch.empty(shape).uniform_(-bound, bound))
-        self.bias = nn.Parameter(torch.empty(heads, n_out, 1).uniform_(-bound, bound))
-
-    def forward(self, x, pos=0, rows=None):
-        """x (B, H, S, c), inputs at positions [0, S) -> out (B, H, rows, c) at [pos, pos+rows)."""
-        rows = x.shape[2] - pos if rows is None else rows
-        W = self.weight[..., pos:pos + rows, :x.shape[2]]           # rows [pos, pos + rows) of W
-        if self.softmax:  # -inf before the softmax, so the future gets no weight
-            W = W.masked_fill(~allowed(self.direction, W, pos), float('-inf')).softmax(-1)
-        elif self.direction == 'causal':
-            W = W.tril(pos)            # <- causality lives here: output t reads inputs s <= t
-        elif self.direction == 'reverse':
-            W = W.triu(pos + 2)
-        return self.product(W, x) + self.bias[:, pos:pos + rows]    # out = tril(W) @ x + b
-
-    def product(self, W, x):  # (H, R, S) @ (B, H, S, c) -> (B, H, R, c)
-        return W @ x
-
-
-def allowed(direction, W, pos):
-    """Bool (R, S): may the output at position pos + i read the input at position j?"""
-    ones = torch.ones(W.shape[-2:], dtype=torch.bool, device=W.device)
-    return {'causal': ones.tril(pos), 'reverse': ones.triu(pos + 2)}.get(direction, ones)
-
-
-class ConvMixing(Mixing):
-    """kernel > 1 (paper §9.2): the paper's Conv1d with the positions as its channels, sliding a
-    kernel-wide window along the features ('same' padding), weight (heads, kernel, n_out, n_in)."""
-
-    def product(self, W, x):
-        H, k = W.shape[:2]
-        x = F.pad(rearrange(x, 'b h s c -> b (h s) c'), ((k - 1) // 2, k // 2))
-        y = F.conv1d(x, rearrange(W, 'h k r s -> (h r) s k'), groups=H)  # (B, H * R, c)
-        return rearrange(y, 'b (h r) c -> b h r c', h=H)
-
-
-class ParallelMixing(nn.ModuleList):
-    """Mixings side by side on one input, outputs summed, each through act: the blog's parallel
-    mixer (n_convs = p > 1, sum_i GELU(W_i x + b_i)) and the parallel hybrid (attention + mixer)."""
-
-    def __init__(self, modules, act=None):
-        super().__init__(modules)
-        self.act = act or (lambda y: y)
-
-    def forward(self, x, *args):
-        return sum(self.act(module(x, *args)) for module in self)
 
 
 class TokenMixing(nn.Module):

@@ -1,7 +1,9 @@
-"""Retrieval on pystdlib in one CPU hour (paper §6), transformer side: config/retrieval_mixer.py's run
-(same data, left padding, size, batch and wall-clock budget) with a Llama-style model at its own rate.
+"""Retrieval on pystdlib in one CPU hour (paper §6), transformer side: config/retrieval_mixer.py's
+run (same data, left padding, size, batch and wall-clock budget) with a Llama-style model at its
+own rate.
 OMP_NUM_THREADS=1 python train.py config/retrieval_llama.py
-OMP_NUM_THREADS=1 python retrieve.py train --init_from=out/retrieval_llama/ckpt.pt --out_dir=out/retrieval_llama_nce ..."""
+OMP_NUM_THREADS=1 python retrieve.py train --init_from=out/retrieval_llama/ckpt.pt \
+    --out_dir=out/retrieval_llama_nce ..."""
 data_dir = 'data/pystdlib'
 out_dir = 'out/retrieval_llama'
 arch = 'llama'

@@ -5,7 +5,8 @@ transformer; run both at once, one thread each, so they share the machine's load
 Retrieval). Size, lr and budget are CPU-sized choices, not the paper's (it pretrained d_model
 512-1024 models for hours on FineWeb).
 OMP_NUM_THREADS=1 python train.py config/retrieval_mixer.py
-OMP_NUM_THREADS=1 python retrieve.py train --init_from=out/retrieval_mixer/ckpt.pt --out_dir=out/retrieval_mixer_nce ..."""
+OMP_NUM_THREADS=1 python retrieve.py train --init_from=out/retrieval_mixer/ckpt.pt \
+    --out_dir=out/retrieval_mixer_nce ..."""
 data_dir = 'data/pystdlib'
 out_dir = 'out/retrieval_mixer'
 arch = 'mixer'
@@ -15,7 +16,7 @@ n_ctx = 128
 batch_mode = 'documents'
 padding = 'left'
 batch_size = 16
-lr = 5e-3                  # mixers take a larger rate than transformers (paper 5e-4 : 2e-4; demo.py 1e-2)
+lr = 5e-3                  # mixers take larger rates than transformers (paper 5e-4 : 2e-4)
 warmup_iters = 50
 max_iters = 0
 max_time = 1980.0          # 33 minutes of training, evaluation excluded
