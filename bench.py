@@ -74,7 +74,7 @@ MODE_DEFAULTS = {  # each mode's sizes over DEFAULTS (which hold throughput's)
     'represent': dict(archs='mixer,llama', n_ctx='32', batch_size='2'),
     'retrieval': dict(archs='mixer,llama', n_ctx='256', batch_size='32'),
 }
-FULL = {  # --full: the paper's (or the headline) settings
+FULL = {  # --full: the paper's settings (or the README's headline ones)
     'throughput': dict(d_model=512, n_layers='8', n_ctx='128,256,512,1024'),
     'memory': dict(n_layers='4,8,16', n_ctx='512,1024,2048,4096,8192'),
     'generate': dict(n_layers='8', n_ctx='512', prompt=256, new_tokens=256),
