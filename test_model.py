@@ -1824,7 +1824,8 @@ def test_pystdlib_subset_agrees_with_meta_and_splits_by_module(stdlib_dir, capsy
 
 def test_tokenizer_round_trips_any_text(stdlib_dir, tmp_path):
     tok = Tokenizer.from_dir(stdlib_dir)
-    texts = ['naïve café, Ærøskøbing', 'emoji 🎉🚀 👩‍👩‍👧 ✔️', '中文字符 ∀x∈ℝ: x² ≥ 0', 'ʘ‿ʘ ☃ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢',
+    texts = ['naïve café, Ærøskøbing', 'emoji 🎉🚀 👩‍👩‍👧 ✔️',
+             '中文字符 ∀x∈ℝ: x² ≥ 0', 'ʘ‿ʘ ☃ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢',
              '  lead\t\ttabs\n\n  trailing  \r\n\x00\x01\x7f', '<s></s><pad><unk><|endoftext|>', '',
              ' ', '\n']
     for text in texts:
