@@ -190,13 +190,11 @@ class TokenMixing(nn.Module):
         self.proj_out = nn.Linear(d, d) if self.heads > 1 else nn.Identity()
         self.m = int(cfg.expansion * n) if cfg.expansion else n  # hidden rows of an expanded mixer
 
-        def mixing(n_out, n_in):
-            kw = dict(heads=self.heads, softmax=cfg.softmax, direction=direction)
-            one = lambda: (ConvMixing(n_out, n_in, kernel=cfg.kernel, **kw) if cfg.kernel > 1
-                           else Mixing(n_out, n_in, **kw))
-            if cfg.n_convs > 1:  # each parallel mixing has the kernel too
-                return ParallelMixing([one() for _ in range(cfg.n_convs)], act=F.gelu)
-            return one()
+        def mixing(n_out, n_in):  # each parallel mixing has the kernel too
+            kind = ConvMixing if cfg.kernel > 1 else Mixing
+            ms = [kind(n_out, n_in, self.heads, cfg.softmax, direction, cfg.kernel)
+                  for _ in range(cfg.n_convs)]
+            return ParallelMixing(ms, act=F.gelu) if cfg.n_convs > 1 else ms[0]
         self.mix = mixing(self.m, n)
         self.mix2 = mixing(n, self.m) if cfg.expansion else None
 
@@ -751,11 +749,10 @@ def flops_per_token(cfg):
             if isinstance(mod, ELiTAAttention):  # the scan's masked block products
                 B, T, d = x.shape
                 flops.append(6 * B * T * min(ELITA_CHUNK, T) * d)
-        hooks = [m.register_forward_hook(count) for m in model.modules()]
+        for mod in model.modules():  # once each, shared ones too; dropped with the model
+            mod.register_forward_hook(count)
         idx = torch.zeros(1, cfg.n_ctx, dtype=torch.long)
         model(idx, targets=idx)
-        for h in hooks:
-            h.remove()
     return sum(flops) / cfg.n_ctx
 
 
