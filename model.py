@@ -192,9 +192,9 @@ class TokenMixing(nn.Module):
 
         def mixing(n_out, n_in):  # each parallel mixing has the kernel too
             kind = ConvMixing if cfg.kernel > 1 else Mixing
-            ms = [kind(n_out, n_in, self.heads, cfg.softmax, direction, cfg.kernel)
-                  for _ in range(cfg.n_convs)]
-            return ParallelMixing(ms, act=F.gelu) if cfg.n_convs > 1 else ms[0]
+            mixings = [kind(n_out, n_in, self.heads, cfg.softmax, direction, cfg.kernel)
+                       for _ in range(cfg.n_convs)]
+            return ParallelMixing(mixings, act=F.gelu) if cfg.n_convs > 1 else mixings[0]
         self.mix = mixing(self.m, n)
         self.mix2 = mixing(n, self.m) if cfg.expansion else None
 
