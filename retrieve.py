@@ -136,14 +136,12 @@ def write_json(path, obj):
 
 def left_pad(seqs, n_ctx, pad_id):
     """Token lists -> idx (B, n_ctx) with the pads first, mask (B, n_ctx) True on real tokens."""
+    seqs = [list(s)[:n_ctx] for s in seqs]       # a long text keeps its start
     idx = torch.full((len(seqs), n_ctx), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), n_ctx, dtype=torch.bool)
     for i, s in enumerate(seqs):
-        s = list(s)[:n_ctx]                       # a long text keeps its start
-        if s:
-            idx[i, n_ctx - len(s):] = torch.tensor(s)
-            mask[i, n_ctx - len(s):] = True
-    return idx, mask
+        idx[i, n_ctx - len(s):] = torch.tensor(s, dtype=torch.long)
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    return idx, torch.arange(n_ctx) >= n_ctx - lengths[:, None]
 
 
 def length_groups(lengths, overhead):
@@ -292,8 +290,7 @@ class PairBatches:
 
     def __init__(self, cfg, tok, n_ctx):
         self.cfg, self.n_ctx, self.pad, self.pairs = cfg, n_ctx, tok.pad_id, {}
-        need = cfg['batch_size'] if cfg['negatives'] == 'inbatch' else max(cfg['batch_size'],
-                                                                           PAPER_N - 1)
+        need = max(cfg['batch_size'], PAPER_N - 1 if cfg['negatives'] == 'paper' else 1)
         for split in train.SPLITS:
             path = os.path.join(cfg['data_dir'], f'pairs_{split}.jsonl')
             queries, targets = read_pairs(path)
