@@ -732,8 +732,7 @@ def up_to_date(out_dir, fingerprint):
 def commit(out_dir, produced, meta):
     """Move finished .tmp files into place; meta.json last: it only describes a complete folder."""
     meta_path = os.path.join(out_dir, 'meta.json')
-    if os.path.exists(meta_path):
-        os.remove(meta_path)
+    Path(meta_path).unlink(missing_ok=True)
     for name in OUTPUTS:
         path = os.path.join(out_dir, name)
         if name in produced:
