@@ -46,12 +46,10 @@ def parse_args(argv, defaults, choices=None, doc=None, positional=None, modes=No
         key, eq, value = arg[2:].partition('=')
         key = key.replace('-', '_')
         if not eq:  # --key value, or a bare --flag for booleans
-            if isinstance(defaults.get(key), bool) and (not args or args[0].startswith('--')):
-                value = 'true'
-            elif args and not args[0].startswith('--'):
-                value = args.pop(0)
-            else:
+            given = bool(args) and not args[0].startswith('--')
+            if not given and not isinstance(defaults.get(key), bool):
                 raise ValueError(f"--{key} needs a value: write --{key}=VALUE")
+            value = args.pop(0) if given else 'true'
         cfg[key] = typed(key, value, defaults, 'the command line')
     for key, allowed in (choices or {}).items():
         if cfg[key] not in allowed:
@@ -66,7 +64,7 @@ def help_text(defaults, script):
     here = os.path.dirname(os.path.abspath(__file__))
     files = [os.path.abspath(script)] + [os.path.join(here, f'{m}.py') for m in re.findall(
         r'^(?:from|import) (\w+)', Path(script).read_text(encoding='utf-8'), re.M)]
-    notes = collections.defaultdict(list)  # key: [(its value's text, comment), ...] in files' order
+    notes = collections.defaultdict(list)  # key: [[its value's text, comment], ...] in files' order
     for path in filter(os.path.isfile, files):
         keys = []
         for line in Path(path).read_text(encoding='utf-8').splitlines():
@@ -75,11 +73,11 @@ def help_text(defaults, script):
             if code:
                 pairs = re.findall(r'(?:^|[(,])(\w+)=(?!=)(.+?)(?=,\w+=|[,)]*$)', code)
                 for key, text in pairs:
-                    notes[key].append((text, note.strip()))
+                    notes[key].append([text, note.strip()])
                 keys = [key for key, _ in pairs] if note else []
             elif note and keys:  # the comment goes on on the next line
                 for key in keys:
-                    notes[key][-1] = (notes[key][-1][0], f'{notes[key][-1][1]} {note.strip()}')
+                    notes[key][-1][1] += ' ' + note.strip()
             else:
                 keys = []
     lines = ['keys and defaults:']
@@ -366,9 +364,18 @@ def split_of(key, val_share):
     return 'val' if bucket < val_share * 10000 else 'train'
 
 
+def count_replace(e):  # errors='replace', counted for the warning
+    count_replace.runs += 1
+    return '\ufffd', e.end
+
+
+count_replace.runs, WARNED = 0, set()  # undecodable byte runs met so far; files warned about
+codecs.register_error('count-replace', count_replace)
+
+
 def eot_documents(path):
     """A text file's documents, cut at <|endoftext|> lines; bytes not UTF-8 become U+FFFD."""
-    lines, replaced = [], NOT_UTF8[0]
+    lines, replaced = [], count_replace.runs
     with open(path, encoding='utf-8', errors='count-replace') as f:
         for line in f:
             if line.strip() == EOT:
@@ -377,22 +384,11 @@ def eot_documents(path):
             else:
                 lines.append(line)
     yield ''.join(lines)
-    if NOT_UTF8[0] > replaced and path not in WARNED:
+    if (runs := count_replace.runs - replaced) and path not in WARNED:
         WARNED.add(path)
-        tqdm.write(f'warning: {path} is not UTF-8 text: its {NOT_UTF8[0] - replaced} undecodable '
-                   f'byte run(s) became U+FFFD; convert it first (e.g. iconv -f latin1 -t utf-8) '
-                   f'to keep them', file=sys.stderr)
-
-
-NOT_UTF8, WARNED = [0], set()  # undecodable byte runs met so far; files warned about
-
-
-def count_replace(e):  # errors='replace', counted for the warning
-    NOT_UTF8[0] += 1
-    return '\ufffd', e.end
-
-
-codecs.register_error('count-replace', count_replace)
+        tqdm.write(f'warning: {path} is not UTF-8 text: its {runs} undecodable byte run(s) became '
+                   f'U+FFFD; convert it first (e.g. iconv -f latin1 -t utf-8) to keep them',
+                   file=sys.stderr)
 
 
 def visible_files(folder, skip=()):
@@ -502,10 +498,9 @@ def hub_shards(args, repo, folder):
     except Exception as e:
         found = glob.glob(os.path.join(glob.escape(local), '*.parquet'))
         names = sorted(f'{folder}/{os.path.basename(f)}' for f in found)
-        if not names:
-            if isinstance(e, ValueError):
-                raise
-            raise ValueError(f'listing {repo}/{folder} failed ({e}); {hint}')
+        if not names:  # (check_online's error already names the fix)
+            raise e if isinstance(e, ValueError) else ValueError(
+                f'listing {repo}/{folder} failed ({e}); {hint}')
         print(f'hub out of reach: using the {len(names)} shards already in {local}',
               file=sys.stderr)
     if not names:
@@ -545,7 +540,6 @@ def hub_documents(args, val_share):
                     yield split, f'{name}#{i}', text.strip(), summary
     source = {'repo': repo, 'files' if isinstance(files, dict) else 'folder': files}
     return documents, [repo, files], None, source
-
 
 
 # ----------------------------------------------------------------------------- retrieval pairs
@@ -634,7 +628,6 @@ def train_tokenizer(documents, stride, vocab_size, path):
         if 'required_chars' in why:
             raise ValueError(f'--vocab_size={vocab_size} is too small for this corpus: it needs '
                              f'260 pieces plus one per distinct character; raise it') from None
-
         raise ValueError(f'tokenizer training failed: {why}')
     finally:
         bar.close()
@@ -739,8 +732,7 @@ def up_to_date(out_dir, fingerprint):
 def commit(out_dir, produced, meta):
     """Move finished .tmp files into place; meta.json last: it only describes a complete folder."""
     meta_path = os.path.join(out_dir, 'meta.json')
-    if os.path.exists(meta_path):
-        os.remove(meta_path)
+    Path(meta_path).unlink(missing_ok=True)
     for name in OUTPUTS:
         path = os.path.join(out_dir, name)
         if name in produced:
@@ -866,7 +858,6 @@ DEFAULTS = dict(
     max_docs=0,           # keep the first N training documents (the paper: 2000000); 0 = all
     max_tokens=0,         # stop once the training split holds N tokens; 0 = no limit
     hub_url=os.environ.get('HF_ENDPOINT', 'https://huggingface.co').rstrip('/'),  # hub address
-
     download_dir=os.path.join('data', 'downloads'),  # hub files; put them here for an offline run
 )
 
@@ -906,7 +897,6 @@ def main(argv=None):
             remove_tmp(args.out_dir)
             raise
     return run_main(body, 'interrupted: nothing was replaced; run the same command again')
-
 
 
 if __name__ == '__main__':
