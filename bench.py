@@ -21,20 +21,22 @@ modes run --repeats rounds: a table shows each cell's median round, a ratio its 
 rounds (min-max). Models are untrained unless represent gets --ckpt; inputs are random tokens
 unless --data_dir. The paper's memory settings: --batch_size=16 --n_heads=32.
 """
-import json, os, re, resource, statistics, subprocess, sys, time
+import contextlib, json, os, platform, re, resource, signal, statistics, subprocess, sys, time
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from model import (Attention, Backbone, ELiTAAttention, ELiTAFeedForward, GatedMLP, MLP, Mixing,
-                   ModelConfig, SwiGLU, TokenMixing, allowed, build_model, flops_per_token,
+from model import (ARCHS, Attention, Backbone, ELiTAAttention, ELiTAFeedForward, GatedMLP, MLP,
+                   Mixing, ModelConfig, SwiGLU, TokenMixing, allowed, build_model, flops_per_token,
                    measure_peak_flops)
-from prepare import Tokenizer, check_output_file, int_list, parse_args, run_main, write_atomic
+from prepare import (Tokenizer, check_out_dir, check_output_file, int_list, parse_args, run_main,
+                     write_atomic)
 from retrieve import PairBatches, TextEncoder, info_nce
 from sample import compiled_step, decode_layout
-from train import (CHOICES, autocast, choose_dtype, configure_optimizer, load_checkpoint,
-                   load_meta, model_from_checkpoint, resolve_device)
+from train import (CHOICES, DEFAULTS as TRAIN_DEFAULTS, autocast, choose_dtype,
+                   configure_optimizer, load_checkpoint, load_meta, model_from_checkpoint,
+                   resolve_device)
 
 MODES = ('throughput', 'memory', 'generate', 'represent', 'retrieval', 'all', 'race')
 
@@ -483,14 +485,10 @@ def layer_output_fn(model, idx, layer):
 
     def O(e):
         out = {}
-        hooks = [backbone.wte.register_forward_hook(lambda mod, inp, res: e),
-                 backbone.blocks[layer - 1].register_forward_hook(
-                     lambda mod, inp, res: out.update(x=res))]
-        try:
+        with (backbone.wte.register_forward_hook(lambda mod, inp, res: e),  # removed on exit
+              backbone.blocks[layer - 1].register_forward_hook(
+                  lambda mod, inp, res: out.update(x=res))):
             backbone(idx)
-        finally:
-            for h in hooks:
-                h.remove()
         return out['x']
     return O
 
@@ -755,12 +753,6 @@ def run(argv):
 
 # ----------------------------------------------------------------------------- race
 
-import contextlib, platform, signal  # noqa: E402 (the race's own imports, kept in its section)
-
-import train as trainer  # noqa: E402
-from model import ARCHS  # noqa: E402
-from prepare import check_out_dir  # noqa: E402
-
 RACE_DOC = """
 python bench.py race: language models trained for the same wall-clock budget on your data, as a
 table, a JSON file and one picture of validation loss against training time (the paper's central
@@ -824,7 +816,7 @@ def race_split(argv):
         key, eq, value = arg[2:].partition('=') if arg.startswith('--') else ('', '', '')
         key = key.replace('-', '_')
         head, dot, rest = key.partition('.')
-        passed = dot or (key in trainer.DEFAULTS and key not in RACE_DEFAULTS)
+        passed = dot or (key in TRAIN_DEFAULTS and key not in RACE_DEFAULTS)
         if passed and not eq:
             raise ValueError(f"--{key} is passed on to train.py: write --{key}=VALUE")
         if dot:
@@ -868,7 +860,7 @@ def race_settings(argv):
                       eval_seconds=s.eval_seconds, overwrite=True)  # out_dir checked below
         args = (flags(base) + presets[i:i + 1] * bool(presets) + shared + per_arch.get(arch, [])
                 + flags(forced))
-        cfg = parse_args(args, trainer.DEFAULTS, trainer.CHOICES, RACE_DOC)
+        cfg = parse_args(args, TRAIN_DEFAULTS, CHOICES, RACE_DOC)
         if cfg['arch'] != arch:
             raise ValueError(f"the run named {arch} in --archs trains arch={cfg['arch']} (its "
                              f"preset or --{arch}.arch): list the presets in --archs order")
@@ -913,11 +905,9 @@ def race_machine(dev):
     if dev.type == 'cuda':
         return torch.cuda.get_device_name(dev)
     name = platform.processor() or platform.machine()
-    try:
+    with contextlib.suppress(OSError, StopIteration):  # no /proc/cpuinfo name: platform's
         with open('/proc/cpuinfo') as f:
             name = next(ln.split(':', 1)[1].strip() for ln in f if ln.startswith('model name'))
-    except (OSError, StopIteration):
-        pass
     return f"{name} ({torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores)"
 
 
