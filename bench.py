@@ -344,9 +344,8 @@ def bench_generate(s):
         for batch in s.batch_size:
             prompt = torch.randint(cfg.vocab_size, (batch, s.prompt), generator=gen).to(s.dev)
             for method in methods if batch == s.batch_size[0] else set(methods) & {'cache'}:
-                t0 = time.perf_counter()
-                time_decoding(model, prompt, 2, method, s, step)  # warm-up (--compile: compile)
-                warmup = time.perf_counter() - t0
+                # warm-up: its two tokens' seconds, the compile's with --compile
+                warmup = sum(time_decoding(model, prompt, 2, method, s, step))
                 bandwidth = measure_read_bandwidth(s.dev, probe_mib)
                 prefill, per_token = time_decoding(model, prompt, s.new_tokens, method, s, step)
                 positions = range(s.prompt, s.prompt + s.new_tokens - 1)  # the timed steps'
@@ -858,8 +857,7 @@ def race_settings(argv):
         base = dict(RACE_TRAIN, arch=arch, lr=RACE_LR.get(arch, 1.5e-3))
         forced = dict(out_dir=os.path.join(s.out_dir, arch), max_time=s.max_time,
                       eval_seconds=s.eval_seconds, overwrite=True)  # out_dir checked below
-        args = (flags(base) + presets[i:i + 1] * bool(presets) + shared + per_arch.get(arch, [])
-                + flags(forced))
+        args = flags(base) + presets[i:i + 1] + shared + per_arch.get(arch, []) + flags(forced)
         cfg = parse_args(args, TRAIN_DEFAULTS, CHOICES, RACE_DOC)
         if cfg['arch'] != arch:
             raise ValueError(f"the run named {arch} in --archs trains arch={cfg['arch']} (its "
