@@ -21,20 +21,22 @@ modes run --repeats rounds: a table shows each cell's median round, a ratio its 
 rounds (min-max). Models are untrained unless represent gets --ckpt; inputs are random tokens
 unless --data_dir. The paper's memory settings: --batch_size=16 --n_heads=32.
 """
-import json, os, re, resource, statistics, subprocess, sys, time
+import contextlib, json, os, platform, re, resource, signal, statistics, subprocess, sys, time
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from model import (Attention, Backbone, ELiTAAttention, ELiTAFeedForward, GatedMLP, MLP, Mixing,
-                   ModelConfig, SwiGLU, TokenMixing, allowed, build_model, flops_per_token,
+from model import (ARCHS, Attention, Backbone, ELiTAAttention, ELiTAFeedForward, GatedMLP, MLP,
+                   Mixing, ModelConfig, SwiGLU, TokenMixing, allowed, build_model, flops_per_token,
                    measure_peak_flops)
-from prepare import Tokenizer, check_output_file, int_list, parse_args, run_main, write_atomic
+from prepare import (Tokenizer, check_out_dir, check_output_file, int_list, parse_args, run_main,
+                     write_atomic)
 from retrieve import PairBatches, TextEncoder, info_nce
 from sample import compiled_step, decode_layout
-from train import (CHOICES, autocast, choose_dtype, configure_optimizer, load_checkpoint,
-                   load_meta, model_from_checkpoint, resolve_device)
+from train import (CHOICES, DEFAULTS as TRAIN_DEFAULTS, autocast, choose_dtype,
+                   configure_optimizer, load_checkpoint, load_meta, model_from_checkpoint,
+                   resolve_device)
 
 MODES = ('throughput', 'memory', 'generate', 'represent', 'retrieval', 'all', 'race')
 
@@ -112,7 +114,7 @@ def settings(argv, mode):
     s['device'], s['dtype'] = str(s['dev']), str(s['torch_dtype'])[6:]
     if s['mode'] != 'memory_cell':
         print(f"{mode}: {s['device']} {s['dtype']} ({why})", file=sys.stderr)
-    s = SimpleNamespace(**dict(s, mode=mode, keep=lambda r: r))  # run() sets keep, for --json
+    s = SimpleNamespace(**dict(s, mode=mode))
     grid(s)  # a bad arch or size fails here, before any mode runs
     return s
 
@@ -127,6 +129,16 @@ def model_config(s, arch, n_layers, n_ctx):
     # --n_heads counts attention heads; a mixer's would count mixing heads, so mixers keep one
     return ModelConfig(arch=arch, vocab_size=s.vocab_size, n_ctx=n_ctx, d_model=s.d_model,
                        n_layers=n_layers, n_heads=0 if arch in ('mixer', 'gmlp') else s.n_heads)
+
+
+def flags(keys):
+    """{key: value} -> ['--key=value', ...], a script's command line."""
+    return [f"--{k}={v}" for k, v in keys.items()]
+
+
+def last_line(stderr):
+    """What a failed subprocess said last: its error line."""
+    return (stderr.strip().splitlines() or ['no output'])[-1]
 
 
 def sync(dev):
@@ -166,7 +178,7 @@ def training_step_seconds(s, model, batches, loss_fn):
 def bench_throughput(s):
     peak = measure_peak_flops(s.dev, s.torch_dtype)
     print(f"peak: {peak / 1e9:.0f} GFLOP/s (best {s.dtype} square matmul on {s.device})")
-    rows, gen = [], torch.Generator().manual_seed(s.seed)
+    gen = torch.Generator().manual_seed(s.seed)
     for cfg in grid(s):
         xy = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx + 1), generator=gen)
         ms = tps = mfu = None                     # an OOM row, as memory mode gives
@@ -177,13 +189,11 @@ def bench_throughput(s):
         except (RuntimeError, MemoryError) as e:  # the model or its step does not fit
             if not out_of_memory(e):
                 raise
-            if s.dev.type == 'cuda':
-                torch.cuda.empty_cache()
-        rows.append(s.keep(row(s, cfg, batch_size=s.batch_size, ms_per_step=ms,
-                               tokens_per_s=tps, mfu=mfu, peak_flops=peak)))
+            torch.cuda.empty_cache()  # a no-op unless CUDA is in use
         print(f"  {cfg.arch} n_ctx={cfg.n_ctx}: "
               + ('OOM' if ms is None else f"{ms:.0f} ms/step, {tps:.0f} tokens/s"), flush=True)
-    return rows
+        yield row(s, cfg, batch_size=s.batch_size, ms_per_step=ms, tokens_per_s=tps, mfu=mfu,
+                  peak_flops=peak)
 
 
 def throughput_step_seconds(s, cfg, xy):
@@ -221,7 +231,6 @@ def memory_cell(s):
     elif s.mem_limit:
         limit = proc_status('VmSize') + s.mem_limit * 2**20   # what this process maps, plus it
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
-    peak = 0
     try:
         if s.arch != 'none':
             cfg = model_config(s, s.arch, s.n_layers[0], s.n_ctx[0])
@@ -244,28 +253,24 @@ def run_cell(s, arch, n_layers, n_ctx):
     """Peak bytes of one memory cell run in a fresh interpreter, or None if it ran out of memory."""
     keys = dict(arch=arch, n_layers=n_layers, n_ctx=n_ctx, **{k: getattr(s, k) for k in (
         'd_model', 'batch_size', 'n_heads', 'vocab_size', 'device', 'dtype', 'mem_limit')})
-    cmd = [sys.executable, os.path.abspath(__file__), 'memory_cell']
-    proc = subprocess.run(cmd + [f'--{k}={v}' for k, v in keys.items()],
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), 'memory_cell', *flags(keys)],
                           capture_output=True, text=True)
     if proc.returncode < 0:  # killed by a signal: the kernel's OOM killer, or an allocator's abort
         return None
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ['no output'])[-1]
-        raise ValueError(f"memory cell {arch} n_layers={n_layers} n_ctx={n_ctx} failed: {last}")
+        raise ValueError(f"memory cell {arch} n_layers={n_layers} n_ctx={n_ctx} failed: "
+                         f"{last_line(proc.stderr)}")
     return json.loads(proc.stdout.strip().splitlines()[-1])['peak_bytes']
 
 
 def bench_memory(s):
     base = 0 if s.dev.type == 'cuda' else run_cell(s, 'none', 1, 2)
-    rows = []
     for cfg in grid(s):
         peak = run_cell(s, cfg.arch, cfg.n_layers, cfg.n_ctx)
         mb = None if peak is None else (peak - base) / 2**20
-        rows.append(s.keep(row(s, cfg, n_heads=cfg.n_heads, batch_size=s.batch_size,
-                               device=s.device, mb=mb)))
         print(f"  {cfg.arch} n_layers={cfg.n_layers} n_ctx={cfg.n_ctx}: "
               + ('OOM' if mb is None else f"{mb:.0f} MB"), flush=True)
-    return rows
+        yield row(s, cfg, n_heads=cfg.n_heads, batch_size=s.batch_size, device=s.device, mb=mb)
 
 
 # ----------------------------------------------------------------------------- generate
@@ -325,7 +330,7 @@ def bench_generate(s):
         raise ValueError(f"--methods={s.methods}: use window, cache or window,cache")
     llc = last_level_cache(s.dev)
     probe_mib = max(64, 4 * (llc or 0) // 2**20)  # streamed from DRAM, not from the cache
-    rows, gen = [], torch.Generator().manual_seed(s.seed)
+    gen = torch.Generator().manual_seed(s.seed)
     for cfg in grid(s):
         if s.prompt + s.new_tokens > cfg.n_ctx:
             raise ValueError(f"--prompt={s.prompt} plus --new_tokens={s.new_tokens} exceeds "
@@ -339,9 +344,8 @@ def bench_generate(s):
         for batch in s.batch_size:
             prompt = torch.randint(cfg.vocab_size, (batch, s.prompt), generator=gen).to(s.dev)
             for method in methods if batch == s.batch_size[0] else set(methods) & {'cache'}:
-                t0 = time.perf_counter()
-                time_decoding(model, prompt, 2, method, s, step)  # warm-up (--compile: compile)
-                warmup = time.perf_counter() - t0
+                # warm-up: its two tokens' seconds, the compile's with --compile
+                warmup = sum(time_decoding(model, prompt, 2, method, s, step))
                 bandwidth = measure_read_bandwidth(s.dev, probe_mib)
                 prefill, per_token = time_decoding(model, prompt, s.new_tokens, method, s, step)
                 positions = range(s.prompt, s.prompt + s.new_tokens - 1)  # the timed steps'
@@ -350,19 +354,17 @@ def bench_generate(s):
                 tps, ceiling = batch / per_token, batch * bandwidth / step_bytes
                 bound = 'unknown' if llc is None else 'dram' if step_bytes > llc else 'cache'
                 fraction = tps / ceiling if bound == 'dram' else None
-                rows.append(s.keep(row(
-                    s, cfg, method=method, prompt=s.prompt, new_tokens=s.new_tokens,
-                    batch_size=batch, compile=s.compile and method == 'cache', warmup_s=warmup,
-                    prefill_ms=1e3 * prefill, tokens_per_s=tps, mb_per_step=step_bytes / 1e6,
-                    gb_per_s=bandwidth / 1e9, ceiling_tokens_per_s=ceiling, bound=bound,
-                    fraction=fraction)))
                 where = (f"{fraction:.0%} of it" if fraction is not None else "no fraction: "
                          + ("the last-level cache size is unknown" if llc is None else
                             f"the step fits the {llc / 2**20:.0f} MiB last-level cache"))
                 print(f"  {cfg.arch} {method} batch {batch} (warm-up {warmup:.1f} s): "
                       f"{tps:.1f} tokens/s; DRAM ceiling {ceiling:.0f} ({step_bytes / 1e6:.1f} "
                       f"MB/step at {bandwidth / 1e9:.1f} GB/s), {where}", flush=True)
-    return rows
+                yield row(s, cfg, method=method, prompt=s.prompt, new_tokens=s.new_tokens,
+                          batch_size=batch, compile=s.compile and method == 'cache',
+                          warmup_s=warmup, prefill_ms=1e3 * prefill, tokens_per_s=tps,
+                          mb_per_step=step_bytes / 1e6, gb_per_s=bandwidth / 1e9,
+                          ceiling_tokens_per_s=ceiling, bound=bound, fraction=fraction)
 
 
 # ----------------------------------------------------------------------------- retrieval
@@ -379,7 +381,6 @@ def bench_retrieval(s):
     except FileNotFoundError as e:  # a file of the data dir; a ValueError already names its fix
         raise ValueError(f"{e}: retrieval needs a data dir prepared with pairs (python prepare.py, "
                          f"or prepare.py text --pairs=ict), or pass --data_dir") from None
-    rows = []
     for cfg in grid(s):
         pairs.n_ctx = cfg.n_ctx
         # both paddings' batches, and the fraction of real tokens in them
@@ -396,10 +397,9 @@ def bench_retrieval(s):
 
             ms = 1e3 * training_step_seconds(s, enc.model, batches, loss_fn)
             padding = 'trimmed' if enc.trim else 'full'
-            rows.append(s.keep(row(s, cfg, batch_size=s.batch_size, real_tokens=real,
-                                   ms_per_step=ms, padding=padding)))
             print(f"  {cfg.arch} n_ctx={cfg.n_ctx} {padding}: {ms:.0f} ms/step", flush=True)
-    return rows
+            yield row(s, cfg, batch_size=s.batch_size, real_tokens=real, ms_per_step=ms,
+                      padding=padding)
 
 
 # ----------------------------------------------------------------------------- accounting
@@ -484,14 +484,10 @@ def layer_output_fn(model, idx, layer):
 
     def O(e):
         out = {}
-        hooks = [backbone.wte.register_forward_hook(lambda mod, inp, res: e),
-                 backbone.blocks[layer - 1].register_forward_hook(
-                     lambda mod, inp, res: out.update(x=res))]
-        try:
+        with (backbone.wte.register_forward_hook(lambda mod, inp, res: e),  # removed on exit
+              backbone.blocks[layer - 1].register_forward_hook(
+                  lambda mod, inp, res: out.update(x=res))):
             backbone(idx)
-        finally:
-            for h in hooks:
-                h.remove()
         return out['x']
     return O
 
@@ -566,7 +562,7 @@ def represent_inputs(cfg, s, gen):
 
 def bench_represent(s):
     layers = int_list(s.layer, 'layer') if s.layer else None
-    rows, gen = [], torch.Generator().manual_seed(s.seed)
+    gen = torch.Generator().manual_seed(s.seed)
     for cfg in [None] if s.ckpt else grid(s):  # the checkpoint's model, or one per grid cell
         torch.manual_seed(s.seed)
         model = model_from_checkpoint(load_checkpoint(s.ckpt)) if s.ckpt else build_model(cfg)
@@ -577,8 +573,7 @@ def bench_represent(s):
             r.update(d_model=model.cfg.d_model, n_layers=model.cfg.n_layers, n_ctx=model.cfg.n_ctx)
             print(f"  {r['arch']} layer {r['layer']} ({r['positions']}): "
                   f"hamming {r['hamming']:.3f}", flush=True)
-            rows.append(s.keep(r))
-    return rows
+            yield r
 
 
 # ----------------------------------------------------------------------------- tables and plots
@@ -734,16 +729,13 @@ def run(argv):
         if args['json']:
             write_atomic(args['json'], json.dumps(done + rows, indent=1))
     for mode, s in [(mode, settings(argv, mode)) for mode in modes]:  # all checked first
-        n, measured, runs = s.repeats if mode in TIMED else 1, [], []
-
-        def keep(r):
-            measured.append(r)
-            save(measured)
-            return r
-        s.keep = keep
+        n, runs = s.repeats if mode in TIMED else 1, []
         for i in range(n):
             print(f"## {mode}" + (f", round {i + 1} of {n}" if n > 1 else ''), flush=True)
-            runs.append(MEASURE[mode](s))
+            runs.append([])
+            for r in MEASURE[mode](s):
+                runs[-1].append(r)
+                save(sum(runs, []))
             rounds.setdefault(i, []).extend(runs[-1])
         new = [median_round(cells, TIMED[mode]) for cells in zip(*runs)] if n > 1 else runs[0]
         done += new
@@ -759,12 +751,6 @@ def run(argv):
 
 
 # ----------------------------------------------------------------------------- race
-
-import platform, signal  # noqa: E402 (the race's own imports, kept in its section)
-
-import train as trainer  # noqa: E402
-from model import ARCHS  # noqa: E402
-from prepare import check_out_dir  # noqa: E402
 
 RACE_DOC = """
 python bench.py race: language models trained for the same wall-clock budget on your data, as a
@@ -829,7 +815,7 @@ def race_split(argv):
         key, eq, value = arg[2:].partition('=') if arg.startswith('--') else ('', '', '')
         key = key.replace('-', '_')
         head, dot, rest = key.partition('.')
-        passed = dot or (key in trainer.DEFAULTS and key not in RACE_DEFAULTS)
+        passed = dot or (key in TRAIN_DEFAULTS and key not in RACE_DEFAULTS)
         if passed and not eq:
             raise ValueError(f"--{key} is passed on to train.py: write --{key}=VALUE")
         if dot:
@@ -871,20 +857,18 @@ def race_settings(argv):
         base = dict(RACE_TRAIN, arch=arch, lr=RACE_LR.get(arch, 1.5e-3))
         forced = dict(out_dir=os.path.join(s.out_dir, arch), max_time=s.max_time,
                       eval_seconds=s.eval_seconds, overwrite=True)  # out_dir checked below
-        args = ([f"--{k}={v}" for k, v in base.items()] + presets[i:i + 1] * bool(presets) + shared
-                + per_arch.get(arch, []) + [f"--{k}={v}" for k, v in forced.items()])
-        cfg = parse_args(args, trainer.DEFAULTS, trainer.CHOICES, RACE_DOC)
+        args = flags(base) + presets[i:i + 1] + shared + per_arch.get(arch, []) + flags(forced)
+        cfg = parse_args(args, TRAIN_DEFAULTS, CHOICES, RACE_DOC)
         if cfg['arch'] != arch:
             raise ValueError(f"the run named {arch} in --archs trains arch={cfg['arch']} (its "
                              f"preset or --{arch}.arch): list the presets in --archs order")
         s.runs[arch], s.cfgs[arch] = args, cfg
     first = s.cfgs[s.archs[0]]
-    for arch in s.archs[1:]:
-        for key in SAME_BATCHES:
-            if s.cfgs[arch][key] != first[key]:
-                raise ValueError(f"{s.archs[0]} and {arch} would evaluate on different batches "
-                                 f"({key} {first[key]!r} vs {s.cfgs[arch][key]!r}): "
-                                 f"set --{key} for all archs")
+    for arch, key in ((arch, key) for arch in s.archs[1:] for key in SAME_BATCHES):
+        if s.cfgs[arch][key] != first[key]:
+            raise ValueError(f"{s.archs[0]} and {arch} would evaluate on different batches "
+                             f"({key} {first[key]!r} vs {s.cfgs[arch][key]!r}): "
+                             f"set --{key} for all archs")
     s.data_dir, s.nce = first['data_dir'], nce
     load_meta(s.data_dir)  # prepared data, or the one-line error naming prepare.py
     s.dev = resolve_device(first['device'])
@@ -898,11 +882,9 @@ def race_settings(argv):
 def race_check_outputs(s):
     """Every output place writable (and no earlier race replaced unasked) before any run starts."""
     check_out_dir(s.out_dir)
-    stages = [''] + ['_nce'] * s.retrieval
-    for arch in s.archs:
-        for stage in stages:
-            check_out_dir(os.path.join(s.out_dir, arch + stage), fresh=True, overwrite=s.overwrite,
-                          resumable=False)
+    for run in (arch + stage for arch in s.archs for stage in [''] + ['_nce'] * s.retrieval):
+        check_out_dir(os.path.join(s.out_dir, run), fresh=True, overwrite=s.overwrite,
+                      resumable=False)
     for name in ('race.md', 'race.json', 'race.png'):
         path = os.path.join(s.out_dir, name)
         if os.path.exists(path) and not s.overwrite:
@@ -921,11 +903,9 @@ def race_machine(dev):
     if dev.type == 'cuda':
         return torch.cuda.get_device_name(dev)
     name = platform.processor() or platform.machine()
-    try:
+    with contextlib.suppress(OSError, StopIteration):  # no /proc/cpuinfo name: platform's
         with open('/proc/cpuinfo') as f:
             name = next(ln.split(':', 1)[1].strip() for ln in f if ln.startswith('model name'))
-    except (OSError, StopIteration):
-        pass
     return f"{name} ({torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores)"
 
 
@@ -944,20 +924,17 @@ def race_read_log(path, seen):
 def race_stop(procs):
     """SIGINT to each live run's process group (it exits as after Ctrl-C, its checkpoint whole),
     SIGKILL to any still there after 30 s."""
-    def kill(p, sig):
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:  # it ended on its own meanwhile
-            pass
     live = [p for p in procs if p.poll() is None]
     for p in live:
-        kill(p, signal.SIGINT)
+        with contextlib.suppress(ProcessLookupError):  # it ended on its own meanwhile
+            os.killpg(p.pid, signal.SIGINT)
     deadline = time.time() + 30
     for p in live:
         try:
             p.wait(max(0.1, deadline - time.time()))
         except subprocess.TimeoutExpired:
-            kill(p, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
             p.wait()
 
 
@@ -972,7 +949,7 @@ def race_jobs(s, jobs):
     waves = [jobs] if cpu else [[j] for j in jobs]
     if cpu and len(jobs) > (os.cpu_count() or 1):
         print(f"note: {len(jobs)} runs share {os.cpu_count()} CPU core(s)", flush=True)
-    curves, status, procs, t0 = {name: [] for name, _, _ in jobs}, {}, [], time.time()
+    curves, status, t0 = {name: [] for name, _, _ in jobs}, {}, time.time()
     logs = {name: [os.path.join(out, 'log.jsonl'), 0] for name, _, out in jobs}  # path, bytes read
 
     def read(name):  # the run's new evaluation records, a progress line each
@@ -983,13 +960,14 @@ def race_jobs(s, jobs):
                   f"{r['tokens_seen'] / 1e6:7.3f}M tokens  val loss {r['val_loss']:.4f}",
                   flush=True)
 
-    def ended(name, p):
+    def ended(name, p):  # its log read after the exit: nothing is missed
+        read(name)
         status[name].update(exit=p.returncode, ended=round(time.time() - t0, 2))
         if p.returncode:
             print(f"  {name} stopped (exit {p.returncode}): see "
                   f"{os.path.join(s.out_dir, name + '.out')}", flush=True)
 
-    running = {}
+    running, interrupted = {}, False
     try:
         for wave in waves:
             for name, argv, out in wave:
@@ -998,34 +976,30 @@ def race_jobs(s, jobs):
                     running[name] = p = subprocess.Popen(
                         [sys.executable, *argv], stdout=console, stderr=subprocess.STDOUT, env=env,
                         start_new_session=True)
-                procs.append(p)
                 status[name] = dict(exit=None, started=round(time.time() - t0, 2))
             while running:
                 time.sleep(0.5)
                 for name, p in list(running.items()):
-                    done = p.poll() is not None  # the log read after the exit: nothing is missed
-                    read(name)
-                    if done:
+                    if p.poll() is None:
+                        read(name)
+                    else:
                         ended(name, running.pop(name))
-        return curves, status, False
     except KeyboardInterrupt:
-        race_stop(procs)
-        for name, p in running.items():
-            read(name)
-            ended(name, p)
-        return curves, status, True
-    finally:
-        race_stop(procs)
+        interrupted = True
+    finally:  # whatever stopped the race stops its runs too
+        race_stop(list(running.values()))
+    for name, p in running.items():  # interrupted: what the stopped runs logged last
+        ended(name, p)
+    return curves, status, interrupted
 
 
-def race_table(s, curves):
-    """A row per arch: steps, tokens, tokens/s, best and final val loss, and the training seconds
-    at which its curve first reached each other arch's best (at an evaluation mark; never: not)."""
+def race_table(curves, metrics):
+    """A row per arch evaluated: steps, tokens, tokens/s, best and final val loss, the training
+    seconds at which its curve first reached each other arch's best (at an evaluation mark; never:
+    not), then its retrieval top-1 per n."""
     rows, best = [], {a: min(r['val_loss'] for r in c) for a, c in curves.items() if c}
-    for arch, c in curves.items():
-        if not c:
-            continue
-        last = c[-1]
+    for arch in best:
+        c, last = curves[arch], curves[arch][-1]
         r = dict(arch=arch, steps=last['step'], tokens=last['tokens_seen'], train_s=last['time'],
                  tokens_per_s=last['tokens_seen'] / last['time'] if last['time'] else None,
                  best_val=best[arch], final_val=last['val_loss'])
@@ -1033,6 +1007,7 @@ def race_table(s, curves):
             if other != arch:
                 hit = [e['time'] for e in c if e['val_loss'] <= best[other]]
                 r[f"s_to_{other}_best"] = hit[0] if hit else 'never'
+        r.update({f"top1_n{n}": v for n, v in metrics.get(arch, {}).get('top1', {}).items()})
         rows.append(r)
     return rows
 
@@ -1040,31 +1015,24 @@ def race_table(s, curves):
 def race_retrieval(s):
     """InfoNCE for s.nce_time seconds on each pretrained model (at once on a CPU), then top-1 per n
     on s.pairs: ({arch: retrieve.py eval's metrics}, interrupted?)."""
-    script = os.path.join(HERE, 'retrieve.py')
-    jobs = []
+    script, jobs = os.path.join(HERE, 'retrieve.py'), []
     for arch in s.archs:
+        out = os.path.join(s.out_dir, arch + '_nce')
         keys = dict(RACE_NCE, lr=RACE_NCE_LR.get(arch, 5e-4), data_dir=s.data_dir,
-                    device=s.cfgs[arch]['device'], out_dir=os.path.join(s.out_dir, arch + '_nce'),
+                    device=s.cfgs[arch]['device'], out_dir=out,
                     init_from=os.path.join(s.out_dir, arch, 'ckpt.pt'))
         forced = dict(max_time=s.nce_time, eval_seconds=s.nce_time / 4, overwrite=True)
-        argv = [script, 'train'] + [f"--{k}={v}" for k, v in keys.items()] + s.nce + [
-            f"--{k}={v}" for k, v in forced.items()]
-        jobs.append((arch + '_nce', argv, keys['out_dir']))
+        jobs.append((arch + '_nce', [script, 'train', *flags(keys), *s.nce, *flags(forced)], out))
     print(f"## retrieval: InfoNCE, {s.nce_time:g} s each", flush=True)
     _, status, interrupted = race_jobs(s, jobs)
     metrics = {}
-    for arch in s.archs:
-        ckpt = os.path.join(s.out_dir, arch + '_nce', 'ckpt.pt')
+    for arch in [] if interrupted else [a for a in s.archs if status[a + '_nce']['exit'] == 0]:
         out = os.path.join(s.out_dir, arch + '_eval.json')
-        if interrupted or status[arch + '_nce']['exit'] != 0:
-            continue
-        proc = subprocess.run([sys.executable, script, 'eval', f"--ckpt={ckpt}",
-                               f"--pairs={s.pairs}", f"--n={s.n}", f"--json={out}",
-                               f"--device={s.cfgs[arch]['device']}"],
-                              capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, script, 'eval', *flags(dict(
+            ckpt=os.path.join(s.out_dir, arch + '_nce', 'ckpt.pt'), pairs=s.pairs, n=s.n,
+            json=out, device=s.cfgs[arch]['device']))], capture_output=True, text=True)
         if proc.returncode:
-            why = (proc.stderr.strip().splitlines() or ['no output'])[-1]
-            print(f"  {arch} retrieval eval failed: {why}")
+            print(f"  {arch} retrieval eval failed: {last_line(proc.stderr)}")
             continue
         with open(out) as f:
             metrics[arch] = json.load(f)
@@ -1116,9 +1084,7 @@ def race(argv):
     metrics = {}
     if s.retrieval and not interrupted and all(status[a]['exit'] == 0 for a in s.archs):
         metrics, interrupted = race_retrieval(s)
-    rows = race_table(s, curves)
-    for r in rows:
-        r.update({f"top1_n{n}": v for n, v in metrics.get(r['arch'], {}).get('top1', {}).items()})
+    rows = race_table(curves, metrics)
     cols = sorted(dict.fromkeys(k for r in rows for k in r), key=lambda c: c.startswith('top1'))
     cells = [{c: r.get(c, '') for c in cols} for r in rows]
     table = markdown(cells, cols) if rows else 'no evaluations'
