@@ -82,12 +82,10 @@ def load(path, device, requested='auto'):
 # ----------------------------------------------------------------------------- fast CPU decoding
 
 # max-autotune writes a table of timings per tuned op to stderr as it compiles: off, unless
-# asked for with inductor's own TORCHINDUCTOR_AUTOTUNE_NUM_CHOICES_DISPLAYED or
-# TORCHINDUCTOR_MAX_AUTOTUNE_REPORT_CHOICES_STATS
-QUIET_AUTOTUNE = {key: value for key, value, env in [
-    ('autotune_num_choices_displayed', 0, 'TORCHINDUCTOR_AUTOTUNE_NUM_CHOICES_DISPLAYED'),
-    ('max_autotune_report_choices_stats', False,
-     'TORCHINDUCTOR_MAX_AUTOTUNE_REPORT_CHOICES_STATS')] if env not in os.environ}
+# asked for with inductor's own environment variables (TORCHINDUCTOR_ and the key in capitals)
+QUIET_AUTOTUNE = {key: value for key, value in dict(autotune_num_choices_displayed=0,
+                                                    max_autotune_report_choices_stats=False).items()
+                  if f'TORCHINDUCTOR_{key.upper()}' not in os.environ}
 
 def decode_layout(model):
     """Store each CPU Linear weight with its longer side contiguous (same values; returns model).
