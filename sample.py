@@ -71,7 +71,7 @@ def load(path, device, requested='auto'):
         tok = prepare.Tokenizer.from_meta(ckpt['data']['meta'], ckpt['data']['data_dir'])
     except FileNotFoundError as e:
         raise ValueError(f"{e}: {path} reads its tokenizer from the data_dir it was trained on; "
-                                f"prepare that data again there") from None
+                         f"prepare that data again there") from None
     if requested == 'auto' and device.type == 'cpu':  # one dtype for both methods: same text
         dtype, why = torch.float32, 'a CPU decodes in fp32 (bf16 GEMVs are slower)'
     else:  # the checkpoint's dtype where the device has it natively
@@ -178,8 +178,7 @@ def sample(argv):
         t0 = time.perf_counter()
         step = compiled_step(model)  # compiled on a batch shaped like the samples', 2+ positions
         idx = torch.tensor([list(ids)] * args.num_samples, dtype=torch.long, device=device)
-        for _ in model.stream(idx, 3, temperature=0, method='cache', step=step):
-            pass
+        list(model.stream(idx, 3, temperature=0, method='cache', step=step))  # compiles
         print(f'compiled the cached step in {time.perf_counter() - t0:.1f} s (once per process; '
               f'not in the tokens/s below)', file=sys.stderr)
     t0 = time.perf_counter()

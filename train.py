@@ -500,13 +500,13 @@ def save_checkpoint(obj, path):
     write_atomic(path, lambda f: torch.save(obj, f))
 
 
-def load_checkpoint(path, map_location='cpu'):
-    path = str(path)
+def load_checkpoint(path):
+    """A checkpoint's dict, on the CPU, after checking that it is one of nanomixer's."""
     if not os.path.isfile(path):
         raise ValueError(f"no checkpoint at {path}: train one with python train.py (or pass the "
                          f"right out_dir)")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:  # truncated zip, wrong file, pickled classes: all the same to the user
         why = (str(e).strip().splitlines() or [''])[0][:160]
         raise ValueError(f"{path} is not a readable nanomixer checkpoint "
