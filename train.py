@@ -80,7 +80,7 @@ def check_loop(cfg):
     budget_used(cfg, 0, 0.0)  # a run needs a budget
 
 
-# ----------------------------------------------------------------------------- device and dtype
+# ----------------------------------------------------------------------------- device, dtype, DDP
 
 # Dense bf16/fp16 tensor-core peaks from NVIDIA datasheets (TFLOP/s, first match in this order);
 # other GPUs, and float32, are measured.
@@ -368,7 +368,7 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
             batch = to_device(batch, device)
             sync = i == len(pieces) - 1 or not runtime.distributed  # DDP syncs the last backward
             with nullcontext() if sync else ddp.no_sync(), autocast(device, runtime.dtype):
-                loss = loss_fn(ddp, batch) * weight  # (x 1.0 is exact)
+                loss = loss_fn(ddp, batch) * weight  # x 1.0 is exact
             scaler.scale(loss / len(pieces)).backward()
             loss_sum += loss.detach()
             tokens_seen += batch[0].numel() * runtime.world  # every rank's share is this size
