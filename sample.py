@@ -71,7 +71,7 @@ def load(path, device, requested='auto'):
         tok = prepare.Tokenizer.from_meta(ckpt['data']['meta'], ckpt['data']['data_dir'])
     except FileNotFoundError as e:
         raise ValueError(f"{e}: {path} reads its tokenizer from the data_dir it was trained on; "
-                                f"prepare that data again there") from None
+                         f"prepare that data again there") from None
     if requested == 'auto' and device.type == 'cpu':  # one dtype for both methods: same text
         dtype, why = torch.float32, 'a CPU decodes in fp32 (bf16 GEMVs are slower)'
     else:  # the checkpoint's dtype where the device has it natively
@@ -82,12 +82,10 @@ def load(path, device, requested='auto'):
 # ----------------------------------------------------------------------------- fast CPU decoding
 
 # max-autotune writes a table of timings per tuned op to stderr as it compiles: off, unless
-# asked for with inductor's own TORCHINDUCTOR_AUTOTUNE_NUM_CHOICES_DISPLAYED or
-# TORCHINDUCTOR_MAX_AUTOTUNE_REPORT_CHOICES_STATS
-QUIET_AUTOTUNE = {key: value for key, value, env in [
-    ('autotune_num_choices_displayed', 0, 'TORCHINDUCTOR_AUTOTUNE_NUM_CHOICES_DISPLAYED'),
-    ('max_autotune_report_choices_stats', False,
-     'TORCHINDUCTOR_MAX_AUTOTUNE_REPORT_CHOICES_STATS')] if env not in os.environ}
+# asked for with inductor's own environment variables (TORCHINDUCTOR_ and the key in capitals)
+QUIET_AUTOTUNE = {key: value for key, value in dict(autotune_num_choices_displayed=0,
+                                                    max_autotune_report_choices_stats=False).items()
+                  if f'TORCHINDUCTOR_{key.upper()}' not in os.environ}
 
 def decode_layout(model):
     """Store each CPU Linear weight with its longer side contiguous (same values; returns model).
@@ -180,8 +178,7 @@ def sample(argv):
         t0 = time.perf_counter()
         step = compiled_step(model)  # compiled on a batch shaped like the samples', 2+ positions
         idx = torch.tensor([list(ids)] * args.num_samples, dtype=torch.long, device=device)
-        for _ in model.stream(idx, 3, temperature=0, method='cache', step=step):
-            pass
+        list(model.stream(idx, 3, temperature=0, method='cache', step=step))  # compiles
         print(f'compiled the cached step in {time.perf_counter() - t0:.1f} s (once per process; '
               f'not in the tokens/s below)', file=sys.stderr)
     t0 = time.perf_counter()

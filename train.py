@@ -27,6 +27,7 @@ from model import ModelConfig, build_model, flops_per_token, measure_peak_flops,
 from prepare import (DATASETS, SPLITS, check_out_dir, parse_args, remove_leftovers, run_main,
                      write_atomic)
 
+
 # ----------------------------------------------------------------------------- configuration
 
 LOOP_DEFAULTS = dict(
@@ -79,7 +80,7 @@ def check_loop(cfg):
     budget_used(cfg, 0, 0.0)  # a run needs a budget
 
 
-# ----------------------------------------------------------------------------- device and dtype
+# ----------------------------------------------------------------------------- device, dtype, DDP
 
 # Dense bf16/fp16 tensor-core peaks from NVIDIA datasheets (TFLOP/s, first match in this order);
 # other GPUs, and float32, are measured.
@@ -140,23 +141,24 @@ def reading_dtype(device, requested='auto', recorded=None):
 
 def resolve_device(name):
     """'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or 'cuda:N' as a usable torch.device."""
+    if name == 'auto':
+        name = 'cuda' if torch.cuda.is_available() else 'cpu'
     try:
-        device = torch.device(('cuda' if torch.cuda.is_available() else 'cpu') if name == 'auto'
-                              else name)
+        device = torch.device(name)
     except RuntimeError:
         raise ValueError(f"--device={name} is not a torch device: use auto, cpu, cuda or cuda:N") \
             from None
     if device.type not in ('cpu', 'cuda'):
         raise ValueError(f"--device={name}: nanomixer runs on cpu or cuda (or auto)")
-    if device.type == 'cuda' and not torch.cuda.is_available():
+    if device.type == 'cpu':
+        return device
+    if not torch.cuda.is_available():
         raise ValueError(f"--device={name} but no CUDA GPU is visible: use --device=cpu (or auto)")
-    if device.type == 'cuda':  # an index, as some CUDA calls (memory limits) require
-        device = torch.device('cuda', torch.cuda.current_device() if device.index is None
-                              else device.index)
-        if device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device={name}: this machine has {torch.cuda.device_count()} "
-                             f"GPU(s), cuda:0 and up")
-    return device
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"--device={name}: this machine has {torch.cuda.device_count()} "
+                         f"GPU(s), cuda:0 and up")
+    return torch.device('cuda', index)  # with an index, as some CUDA calls (memory limits) need
 
 
 def autocast(device, dtype):
@@ -249,6 +251,8 @@ def check_on_every_rank(runtime, check):
         raise SystemExit(2)   # run_main returns it as the exit status
 
 
+# ----------------------------------------------------------------------------- the loop
+
 def configure_optimizer(model, lr, weight_decay, device_type, betas=(0.9, 0.999)):
     """AdamW (the paper's betas); weight decay on matrices and mixings, not on biases and norms."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -276,57 +280,6 @@ def budget_used(cfg, step, train_time):
     return max(steps, train_time / cfg['max_time'] if cfg['max_time'] else 0.0)
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-OLD_LAYOUT = 'be76ede'  # the last commit whose blocks were lists of sublayers
-
-
-def save_checkpoint(obj, path):
-    """Atomic (prepare.write_atomic): a crash never leaves a half-written checkpoint."""
-    write_atomic(path, lambda f: torch.save(obj, f))
-
-
-def load_checkpoint(path, map_location='cpu'):
-    path = str(path)
-    if not os.path.isfile(path):
-        raise ValueError(f"no checkpoint at {path}: train one with python train.py (or pass the "
-                         f"right out_dir)")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # truncated zip, wrong file, pickled classes: all the same to the user
-        why = (str(e).strip().splitlines() or [''])[0][:160]
-        raise ValueError(f"{path} is not a readable nanomixer checkpoint "
-                         f"({type(e).__name__}: {why})") from None
-    if not isinstance(ckpt, dict) or not {'kind', 'model'} <= ckpt.keys():
-        raise ValueError(f"{path} is not a readable nanomixer checkpoint (no 'kind'/'model' "
-                         f"entries)")
-    if any('.layers.' in key for key in ckpt['model']):  # blocks were lists of sublayers then
-        raise ValueError(f"{path} has an older model layout: read it with nanomixer at commit "
-                         f"{OLD_LAYOUT} (git checkout {OLD_LAYOUT}), or train again")
-    return ckpt
-
-
-def model_from_checkpoint(ckpt):
-    """The checkpoint's model, weights loaded, in eval mode (on CPU; move it where you need it)."""
-    if 'model_config' not in ckpt:
-        raise ValueError(f"a {ckpt.get('kind')!r} checkpoint without model_config cannot be "
-                         f"rebuilt here")
-    model = build_model(ModelConfig(**ckpt['model_config']))
-    model.load_state_dict(ckpt['model'])
-    return model.eval()
-
-
-def trim_log(path, step):
-    """Drop the log records past `step`, written by a run that died after its last checkpoint
-    (a last line without its newline was cut short by kill -9)."""
-    if os.path.exists(path):
-        lines = Path(path).read_text().splitlines(keepends=True)
-        kept = [r for r in lines if r.endswith('\n') and json.loads(r)['step'] <= step]
-        write_atomic(path, ''.join(kept))
-
-
-# ----------------------------------------------------------------------------- the loop
-
 def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_token=None,
         real_targets=None):
     """Train `model` until the budget is spent, evaluating and checkpointing every eval_interval.
@@ -349,7 +302,7 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
     ckpt_extra = {**ckpt_extra, 'dtype': str(runtime.dtype)[6:]}  # the run's dtype: resume keeps it
     optimizer = configure_optimizer(raw, cfg['lr'], cfg['weight_decay'], device.type)
     step, tokens_seen, train_time, best_val = 0, 0, 0.0, float('inf')
-    if resume is not None:  # what save() wrote
+    if resume is not None:  # what the checkpoints below hold
         raw.load_state_dict(resume['model'])
         optimizer.load_state_dict(resume['optimizer'])
         if scaler.is_enabled() and resume.get('scaler'):
@@ -370,7 +323,7 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
     logged_step, logged_tokens, logged_time = step, tokens_seen, train_time  # at the last log line
     began = time.perf_counter()  # wall clock of this process, evaluation included
     raw.train()
-    every = max(cfg.get('eval_seconds', 0.0), 0.0)  # > 0: evaluate at marks of training time
+    every = max(cfg['eval_seconds'], 0.0)  # > 0: evaluate at marks of training time
     next_eval = 0.0 if start == 0 or not every else (train_time // every + 1) * every
     while True:
         progress = budget_used(cfg, step, train_time)
@@ -388,9 +341,15 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
             improved, best_val = val_loss < best_val, min(best_val, val_loss)
             if master:
                 print(f"step {step}: train loss {train_loss:.4f}, val loss {val_loss:.4f}")
-                if step > 0:
-                    save(cfg, raw, optimizer, scaler, ckpt_extra, improved, step=step,
-                         tokens_seen=tokens_seen, train_time=train_time, best_val=best_val)
+                if step > 0:  # all the next step depends on: batches are keyed by step, no RNG
+                    ckpt = {**ckpt_extra, 'step': step, 'tokens_seen': tokens_seen,
+                            'train_time': train_time, 'best_val': best_val,
+                            'model': raw.state_dict(), 'config': cfg,
+                            'optimizer': optimizer.state_dict(),
+                            'scaler': scaler.state_dict() if scaler.is_enabled() else None}
+                    # best.pt first: a crash between the two leaves both whole
+                    for name in ('best.pt', 'ckpt.pt') if improved else ('ckpt.pt',):
+                        save_checkpoint(ckpt, os.path.join(out_dir, name))
                     saved = step
         if progress >= 1:
             break
@@ -409,9 +368,7 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
             batch = to_device(batch, device)
             sync = i == len(pieces) - 1 or not runtime.distributed  # DDP syncs the last backward
             with nullcontext() if sync else ddp.no_sync(), autocast(device, runtime.dtype):
-                loss = loss_fn(ddp, batch)
-            if weight != 1.0:
-                loss = loss * weight
+                loss = loss_fn(ddp, batch) * weight  # x 1.0 is exact
             scaler.scale(loss / len(pieces)).backward()
             loss_sum += loss.detach()
             tokens_seen += batch[0].numel() * runtime.world  # every rank's share is this size
@@ -482,17 +439,6 @@ def clock(seconds):
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-def save(cfg, model, optimizer, scaler, ckpt_extra, best, **counters):
-    """Checkpoint to out_dir/ckpt.pt, after best.pt when the val loss improved (a crash between the
-    two leaves both whole). Weights, AdamW moments, the loss scale and the counters are all the next
-    step depends on: batches are keyed by step and nothing draws from the global RNGs."""
-    ckpt = {**ckpt_extra, **counters, 'model': model.state_dict(), 'config': cfg,
-            'optimizer': optimizer.state_dict(),
-            'scaler': scaler.state_dict() if scaler.is_enabled() else None}
-    for name in ('best.pt', 'ckpt.pt') if best else ('ckpt.pt',):
-        save_checkpoint(ckpt, os.path.join(cfg['out_dir'], name))
-
-
 def write_log(log, **record):
     """One JSON line of log.jsonl (log is None on ranks other than 0); NaN is not JSON: null."""
     if log:
@@ -542,6 +488,69 @@ def to_device(batch, device):
     pin = device.type == 'cuda'
     return tuple(None if t is None else (t.pin_memory() if pin else t).to(device, non_blocking=pin)
                  for t in batch)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+OLD_LAYOUT = 'be76ede'  # the last commit whose blocks were lists of sublayers
+
+
+def save_checkpoint(obj, path):
+    """Atomic (prepare.write_atomic): a crash never leaves a half-written checkpoint."""
+    write_atomic(path, lambda f: torch.save(obj, f))
+
+
+def load_checkpoint(path):
+    """A checkpoint's dict, on the CPU, after checking that it is one of nanomixer's."""
+    if not os.path.isfile(path):
+        raise ValueError(f"no checkpoint at {path}: train one with python train.py (or pass the "
+                         f"right out_dir)")
+    try:
+        ckpt = torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as e:  # truncated zip, wrong file, pickled classes: all the same to the user
+        why = (str(e).strip().splitlines() or [''])[0][:160]
+        raise ValueError(f"{path} is not a readable nanomixer checkpoint "
+                         f"({type(e).__name__}: {why})") from None
+    if not isinstance(ckpt, dict) or not {'kind', 'model'} <= ckpt.keys():
+        raise ValueError(f"{path} is not a readable nanomixer checkpoint (no 'kind'/'model' "
+                         f"entries)")
+    if any('.layers.' in key for key in ckpt['model']):  # blocks were lists of sublayers then
+        raise ValueError(f"{path} has an older model layout: read it with nanomixer at commit "
+                         f"{OLD_LAYOUT} (git checkout {OLD_LAYOUT}), or train again")
+    return ckpt
+
+
+def model_from_checkpoint(ckpt):
+    """The checkpoint's model, weights loaded, in eval mode (on CPU; move it where you need it)."""
+    if 'model_config' not in ckpt:
+        raise ValueError(f"a {ckpt.get('kind')!r} checkpoint without model_config cannot be "
+                         f"rebuilt here")
+    model = build_model(ModelConfig(**ckpt['model_config']))
+    model.load_state_dict(ckpt['model'])
+    return model.eval()
+
+
+def trim_log(path, step):
+    """Drop the log records past `step`, written by a run that died after its last checkpoint
+    (a last line without its newline was cut short by kill -9)."""
+    if os.path.exists(path):
+        lines = Path(path).read_text().splitlines(keepends=True)
+        kept = [r for r in lines if r.endswith('\n') and json.loads(r)['step'] <= step]
+        write_atomic(path, ''.join(kept))
+
+
+def check_resumable(ckpt, path, mcfg):
+    """Resuming into a different model (arch, n_ctx, vocab, ...) would fail obscurely later."""
+    if ckpt['kind'] != 'lm':
+        raise ValueError(f"{path} is a {ckpt['kind']!r} checkpoint, not one of train.py's")
+    theirs, ours = ckpt['model_config'], asdict(mcfg)
+    diff = [k for k in ours if theirs.get(k) != ours[k]]
+    if diff:
+        was = ', '.join(f"{k}={theirs.get(k)!r}" for k in diff)
+        now = ', '.join(f"{k}={ours[k]!r}" for k in diff)
+        raise ValueError(f"{path} was trained with {was} but this run asks for {now} "
+                         f"(vocab_size comes from --data_dir): resume with the same preset and "
+                         f"flags, or train into a new --out_dir")
 
 
 # ----------------------------------------------------------------------------- data
@@ -698,20 +707,6 @@ def train_lm(argv):
         print(f"done: step {stats['step']}, {stats['train_time']:.1f} s of training, val loss "
               f"{stats['val_loss']:.4f} (best {stats['best_val']:.4f}); checkpoint in {path}")
     return 0
-
-
-def check_resumable(ckpt, path, mcfg):
-    """Resuming into a different model (arch, n_ctx, vocab, ...) would fail obscurely later."""
-    if ckpt['kind'] != 'lm':
-        raise ValueError(f"{path} is a {ckpt['kind']!r} checkpoint, not one of train.py's")
-    theirs, ours = ckpt['model_config'], asdict(mcfg)
-    diff = [k for k in ours if theirs.get(k) != ours[k]]
-    if diff:
-        was = ', '.join(f"{k}={theirs.get(k)!r}" for k in diff)
-        now = ', '.join(f"{k}={ours[k]!r}" for k in diff)
-        raise ValueError(f"{path} was trained with {was} but this run asks for {now} "
-                         f"(vocab_size comes from --data_dir): resume with the same preset and "
-                         f"flags, or train into a new --out_dir")
 
 
 if __name__ == '__main__':
