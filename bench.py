@@ -35,8 +35,8 @@ from prepare import (Tokenizer, check_out_dir, check_output_file, int_list, pars
 from retrieve import PairBatches, TextEncoder, info_nce
 from sample import compiled_step, decode_layout
 from train import (CHOICES, DEFAULTS as TRAIN_DEFAULTS, autocast, choose_dtype,
-                   configure_optimizer, load_checkpoint, load_meta, model_from_checkpoint,
-                   resolve_device)
+                   check_run_dir, configure_optimizer, load_checkpoint, load_meta,
+                   model_from_checkpoint, resolve_device)
 
 MODES = ('throughput', 'memory', 'generate', 'represent', 'retrieval', 'all', 'race')
 
@@ -883,7 +883,7 @@ def race_check_outputs(s):
     """Every output place writable (and no earlier race replaced unasked) before any run starts."""
     check_out_dir(s.out_dir)
     for run in (arch + stage for arch in s.archs for stage in [''] + ['_nce'] * s.retrieval):
-        check_out_dir(os.path.join(s.out_dir, run), fresh=True, overwrite=s.overwrite,
+        check_run_dir(os.path.join(s.out_dir, run), fresh=True, overwrite=s.overwrite,
                       resumable=False)
     for name in ('race.md', 'race.json', 'race.png'):
         path = os.path.join(s.out_dir, name)

@@ -189,18 +189,8 @@ def write_atomic(path, data):
             os.remove(tmp)
 
 
-RUN_FILES = ('ckpt.pt', 'best.pt', 'log.jsonl')  # what makes an out_dir hold a training run
-
-
-def check_out_dir(out_dir, fresh=False, overwrite=False, flag='out_dir', resumable=True):
-    """Fail before any work if out_dir is not writable, or if a fresh run would replace its run
-    unasked (--overwrite)."""
-    held = [f for f in RUN_FILES if os.path.isfile(os.path.join(out_dir, f))]
-    writer = int(os.environ.get('RANK', 0)) == 0  # DDP: rank 0 writes; the others may look later
-    if fresh and held and not overwrite and writer:
-        resume = "continue it with --init_from=resume, " if resumable else ""
-        raise ValueError(f"out_dir {out_dir} already holds a run ({', '.join(held)}): {resume}"
-                         f"replace it with --overwrite, or pass a new --out_dir")
+def check_out_dir(out_dir, flag='out_dir'):
+    """Fail before any work if out_dir cannot be created or written."""
     try:
         os.makedirs(out_dir, exist_ok=True)
         open(probe := os.path.join(out_dir, f'.write_test{os.getpid()}'), 'w').close()
@@ -221,22 +211,6 @@ def check_output_file(path, flag):
     except OSError as e:
         raise ValueError(f"cannot write --{flag}={path} ({e.strerror or e}): "
                          f"name a file in a writable folder") from None
-
-
-def remove_leftovers(out_dir, fresh):
-    """Delete killed runs' temp files (NAME.tmpPID, the process gone) and, if fresh, the old run."""
-    for name in os.listdir(out_dir):
-        _, tmp, pid = name.rpartition('.tmp')
-        if tmp and pid.isdigit() and not pid_alive(int(pid)) or fresh and name in RUN_FILES:
-            os.remove(os.path.join(out_dir, name))
-
-
-def pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-        return True
-    except OSError as e:  # PermissionError: alive, but another user's
-        return not isinstance(e, ProcessLookupError)
 
 
 def run_main(body, interrupted='interrupted'):

@@ -335,8 +335,8 @@ def cmd_train(cfg):
     embed_pos, n_ctx = encoder.embed_pos, encoder.model.cfg.n_ctx
     rt = train.setup_runtime(cfg, resume and resume.get('dtype'))  # a resumed run keeps its dtype
     try:   # every rank learns of a refusal (see check_on_every_rank)
-        train.check_on_every_rank(rt, lambda: check_out_dir(cfg['out_dir'], resume is None,
-                                                            cfg['overwrite']))
+        train.check_on_every_rank(rt, lambda: train.check_run_dir(cfg['out_dir'], resume is None,
+                                                                  cfg['overwrite']))
         tok = Tokenizer.from_meta(src['data']['meta'], src['data']['data_dir'])
         get_batch = PairBatches(cfg, tok, n_ctx)
         # freeze what embeddings do not use (lm head, a decoder): AdamW and DDP skip it
@@ -518,8 +518,8 @@ def cmd_indirect(cfg):
     rt, n_val = train.setup_runtime(cfg), len(pairs['val'][0])
     try:   # every output location, before any embedding or training, on every rank
         outs = {c: os.path.join(cfg['out_dir'], f'c{c}') for c in cs}
-        train.check_on_every_rank(rt, lambda: [check_out_dir(out, True, cfg['overwrite'], 'out_dir',
-                                                             False) for out in outs.values()])
+        train.check_on_every_rank(rt, lambda: [train.check_run_dir(out, True, cfg['overwrite'],
+                                                                   False) for out in outs.values()])
         embedder = Embedder(cfg['ckpt'], rt.device, cfg['dtype'], embed_pos=cfg['embed_pos'],
                             normalize=cfg['normalize'])
         embedder.progress, t0 = rt.master, time.perf_counter()

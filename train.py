@@ -24,8 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import ModelConfig, build_model, flops_per_token, measure_peak_flops, objective_targets
-from prepare import (DATASETS, SPLITS, check_out_dir, parse_args, remove_leftovers, run_main,
-                     write_atomic)
+from prepare import DATASETS, SPLITS, check_out_dir, parse_args, run_main, write_atomic
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -292,7 +291,7 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
     'budget' or 'diverged' (a non-finite loss: nothing more is saved, the last checkpoint stays)."""
     out_dir, device, scaler, master = cfg['out_dir'], runtime.device, runtime.scaler, runtime.master
     log_path, ckpt_path = os.path.join(out_dir, 'log.jsonl'), os.path.join(out_dir, 'ckpt.pt')
-    check_on_every_rank(runtime, lambda: check_out_dir(out_dir, resume is None, cfg['overwrite'],
+    check_on_every_rank(runtime, lambda: check_run_dir(out_dir, resume is None, cfg['overwrite'],
                                                        resumable=os.path.isfile(ckpt_path)))
     if resume is not None:
         check_budget_left(cfg, resume['step'], resume['train_time'])
@@ -528,6 +527,37 @@ def model_from_checkpoint(ckpt):
     model = build_model(ModelConfig(**ckpt['model_config']))
     model.load_state_dict(ckpt['model'])
     return model.eval()
+
+
+RUN_FILES = ('ckpt.pt', 'best.pt', 'log.jsonl')  # what makes an out_dir hold a training run
+
+
+def check_run_dir(out_dir, fresh, overwrite, resumable=True):
+    """Fail before any work if out_dir is not writable, or if a fresh run would replace its run
+    unasked (--overwrite)."""
+    held = [f for f in RUN_FILES if os.path.isfile(os.path.join(out_dir, f))]
+    writer = int(os.environ.get('RANK', 0)) == 0  # DDP: rank 0 writes; the others may look later
+    if fresh and held and not overwrite and writer:
+        resume = "continue it with --init_from=resume, " if resumable else ""
+        raise ValueError(f"out_dir {out_dir} already holds a run ({', '.join(held)}): {resume}"
+                         f"replace it with --overwrite, or pass a new --out_dir")
+    check_out_dir(out_dir)
+
+
+def remove_leftovers(out_dir, fresh):
+    """Delete killed runs' temp files (NAME.tmpPID, the process gone) and, if fresh, the old run."""
+    for name in os.listdir(out_dir):
+        _, tmp, pid = name.rpartition('.tmp')
+        if tmp and pid.isdigit() and not pid_alive(int(pid)) or fresh and name in RUN_FILES:
+            os.remove(os.path.join(out_dir, name))
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError as e:  # PermissionError: alive, but another user's
+        return not isinstance(e, ProcessLookupError)
 
 
 def trim_log(path, step):
