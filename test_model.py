@@ -30,8 +30,7 @@ from prepare import Tokenizer, docstring_pairs, ict_pairs
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # the repo: scripts run from here
 MAINS = {'train': train.main, 'sample': sample.main, 'retrieve': retrieve.main,
-         'prepare': prepare.main,
-         'bench': bench.main}
+         'prepare': prepare.main, 'bench': bench.main}
 
 
 # =============================================================================
@@ -207,11 +206,10 @@ def test_mixings_and_mlps_match_their_formulas():
     assert torch.allclose(F.gelu(x, approximate='tanh'), gelu_tanh)
 
 
-@pytest.mark.parametrize('variant',
-                         [dict(), dict(kernel=3), dict(n_heads=2, kernel=3), dict(softmax=True),
-                                     dict(expansion=2.0), dict(expansion=0.5), dict(n_convs=3),
-                                     dict(arch='hybrid'),
-                                     dict(arch='gmlp')], ids=name)
+@pytest.mark.parametrize('variant', [dict(), dict(kernel=3), dict(n_heads=2, kernel=3),
+                                     dict(softmax=True), dict(expansion=2.0), dict(expansion=0.5),
+                                     dict(n_convs=3), dict(arch='hybrid'), dict(arch='gmlp')],
+                         ids=name)
 def test_masked_weights_get_exactly_zero_gradient(variant):
     """Above the diagonal a mixing weight gets no gradient; every allowed entry that is read gets
     one. param_counts' mixing_effective (no masked entries, no never-read hidden rows) counts just
@@ -664,8 +662,7 @@ def test_document_batches(data, padding):
     A batch is a pure function of (split, step, micro-step)."""
     n, meta = 32, train.load_meta(data)
     get = train.Batches(dict(train.DEFAULTS, n_ctx=n, batch_size=16, batch_mode='documents',
-                             padding=padding,
-                             objective='clm'), meta, data)
+                             padding=padding, objective='clm'), meta, data)
     x, y, mask = get('train', 3, 1)
     assert torch.equal(x, get('train', 3, 1)[0]) and not torch.equal(x, get('train', 3, 0)[0])
     stream = np.fromfile(os.path.join(data, 'train.bin'), dtype=meta['dtype']).astype(np.int64)
@@ -754,8 +751,7 @@ def test_rank_pieces_cover_every_row_once(accum, batch, world):
 def test_row_shards_are_the_micro_batch(data):
     for mode in ('packed', 'documents'):
         get = train.Batches(dict(train.DEFAULTS, n_ctx=16, batch_size=4, batch_mode=mode,
-                                 padding='left'),
-                            train.load_meta(data), data)
+                                 padding='left'), train.load_meta(data), data)
         whole, halves = get('train', 3, 1), [get('train', 3, 1, s, 2) for s in range(2)]
         # inputs, targets
         assert all(torch.equal(whole[k], torch.cat([h[k] for h in halves])) for k in (0, 1))
@@ -877,8 +873,7 @@ def test_divergence_stops_and_keeps_last_checkpoint(data, tmp_path, capsys):
     assert train_run(data, tmp_path, '--max_iters=10', '--eval_interval=10') == 0
     before = (tmp_path / 'ckpt.pt').read_bytes()
     assert train_run(data, tmp_path, '--max_iters=40', '--eval_interval=10', '--lr=1e30',
-                     '--grad_clip=0',
-                     '--init_from=resume') == 1
+                     '--grad_clip=0', '--init_from=resume') == 1
     err = capsys.readouterr().err
     # the step it kept
     assert 'error:' in err and 'step 10' in err and ('nan' in err or 'inf' in err)
@@ -1095,8 +1090,7 @@ def test_compiled_decode_step_freezes_each_models_weights():
     are refused."""
     torch._dynamo.reset()
     models = [perturbed(ModelConfig(vocab_size=VOCAB, n_ctx=N_CTX, d_model=16, n_layers=1), 0.1,
-                        seed).eval()
-              for seed in (0, 1)]
+                        seed).eval() for seed in (0, 1)]
     # one choice: no timing runs
     with torch._inductor.config.patch(max_autotune_gemm_backends='CPP'):
         steps = [sample.compiled_step(model) for model in models]
@@ -1135,8 +1129,7 @@ def test_cli_seeds_batches_and_prompts(trained, data, tmp_path, capsys):
     assert code == 0 and out.strip()
     (tmp_path / 'p.txt').write_text('def f7_1(x):\n')
     code, out, _ = run_main(capsys, 'sample', f'--out_dir={trained}',
-                            f'--prompt=FILE:{tmp_path}/p.txt',
-                            '--max_new_tokens=5')
+                            f'--prompt=FILE:{tmp_path}/p.txt', '--max_new_tokens=5')
     assert code == 0 and out.startswith('def f7_1(x):\n')
     long = 'def f3_1(x):\n    return x\n' * 40
     code, out, err = run_main(capsys, 'sample', f'--out_dir={trained}', f'--prompt={long}',
@@ -1171,8 +1164,7 @@ def test_cli_greedy_window_equals_cache(arch, native, trained, tmp_path, monkeyp
 
 def test_sample_run_from_the_shell_exits_2_without_traceback():
     r = subprocess.run([sys.executable, 'sample.py', '--ckpt=/nonexistent/ckpt.pt'],
-                       capture_output=True, text=True,
-                       cwd=HERE)
+                       capture_output=True, text=True, cwd=HERE)
     assert r.returncode == 2 and r.stderr.startswith('error: ')
     assert '/nonexistent/ckpt.pt' in r.stderr
     assert 'Traceback' not in r.stderr
@@ -1292,8 +1284,7 @@ def test_info_nce_of_row_shards_averages_to_the_batch(corpus, negatives):
     batch's."""
     tok = Tokenizer.from_dir(str(corpus.data))
     get = retrieve.PairBatches(dict(train.LOOP_DEFAULTS, data_dir=str(corpus.data),
-                                    negatives=negatives, batch_size=4),
-                               tok, 32)
+                                    negatives=negatives, batch_size=4), tok, 32)
     emb = torch.nn.Embedding(tok.vocab_size, 8)
 
     def loss(batch):
@@ -1308,11 +1299,9 @@ def test_info_nce_of_row_shards_averages_to_the_batch(corpus, negatives):
 
 TRIM = [dict(), dict(n_heads=2, kernel=3, n_convs=2), dict(expansion=1.5), dict(expansion=0.5),
         dict(softmax=True, pos_emb=True), dict(arch='gmlp'), dict(arch='llama'),
-        dict(objective='autoencoder'),
-        dict(arch='llama', objective='autoencoder'), dict(objective='half'),
-        dict(arch='llama', objective='half'),
-        dict(arch='gpt'), dict(arch='hybrid'), dict(arch='elita'), dict(causal=False),
-        dict(pos_channel='every')]
+        dict(objective='autoencoder'), dict(arch='llama', objective='autoencoder'),
+        dict(objective='half'), dict(arch='llama', objective='half'), dict(arch='gpt'),
+        dict(arch='hybrid'), dict(arch='elita'), dict(causal=False), dict(pos_channel='every')]
 
 
 @pytest.mark.parametrize('variant', TRIM, ids=name)
@@ -1568,21 +1557,18 @@ def test_index_and_search(corpus, capsys, tmp_path):
         (tmp_path / f'docs/d{i}.py').write_text(text)
     (tmp_path / 'docs/blob.bin').write_bytes(b'\0\1\2')
     code, out, err = run_main(capsys, 'retrieve', 'index', f'--ckpt={mixer}',
-                              f'--docs={tmp_path}/docs',
-                              f'--index={index}', '--dtype=float32')
+                              f'--docs={tmp_path}/docs', f'--index={index}', '--dtype=float32')
     manifest = json.loads((index / 'manifest.json').read_text())
     assert code == 0 and manifest['n_documents'] == 12
     assert np.load(index / manifest['embeddings']).shape[0] == manifest['n_chunks']
     for i in (3, 7):
         code, out, err = run_main(capsys, 'retrieve', 'search', f'--index={index}',
-                                  f'--query={texts[i]}', '--k=3',
-                                  '--dtype=float32')
+                                  f'--query={texts[i]}', '--k=3', '--dtype=float32')
         first = out.splitlines()[0]
         assert code == 0 and first.startswith('1. 1.000')
         assert first.split()[2] == str(tmp_path / f'docs/d{i}.py')
-    refused(capsys, 'retrieve',
-            ['search', f'--index={index}', '--query=sort the load', f'--ckpt={llama}'], 'llama.pt',
-            keep=[index])
+    refused(capsys, 'retrieve', ['search', f'--index={index}', '--query=sort the load',
+                                 f'--ckpt={llama}'], 'llama.pt', keep=[index])
     refused(capsys, 'retrieve', ['search', f'--index={index}', '--query=  '], 'query')
     assert run_main(capsys, 'retrieve', 'index', f'--ckpt={llama}',
                     f'--docs={data}/pairs_val.jsonl',
@@ -1648,8 +1634,7 @@ def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     # below log(16), the loss of embeddings collapsed to one point: the queries found their targets
     assert evals[-1]['val_loss'] < min(evals[0]['val_loss'], math.log(16)) - 0.1, evals
     run_main(capsys, 'retrieve', 'eval', f'--ckpt={out_dir}/ckpt.pt',
-             f'--pairs={data}/pairs_val.jsonl', '--n=48',
-             f'--json={tmp_path}/m.json')
+             f'--pairs={data}/pairs_val.jsonl', '--n=48', f'--json={tmp_path}/m.json')
     # chance is 1 in 47
     assert json.loads((tmp_path / 'm.json').read_text())['top1']['48'] > 3 * 100 / 47
     ckpt = train.load_checkpoint(out_dir / 'ckpt.pt')
@@ -1686,10 +1671,8 @@ def test_train_paper_negatives_and_autoencoder_encoder(corpus, capsys, tmp_path)
                         (corpus.ae, [])):
         out_dir = tmp_path / os.path.basename(ckpt)
         code, out, err = run_main(capsys, 'retrieve', 'train', f'--init_from={ckpt}',
-                                  f'--data_dir={corpus.data}',
-                                  f'--out_dir={out_dir}', '--max_iters=2', '--eval_interval=2',
-                                  '--eval_iters=1',
-                                  *extra)
+                                  f'--data_dir={corpus.data}', f'--out_dir={out_dir}',
+                                  '--max_iters=2', '--eval_interval=2', '--eval_iters=1', *extra)
         assert code == 0, err
         before = torch.load(ckpt, weights_only=True)['model']
         after = train.load_checkpoint(out_dir / 'ckpt.pt')
@@ -1854,9 +1837,8 @@ def test_killed_mid_encode_then_rerun_matches_uninterrupted(tmp_path, stdlib_dir
     assert prepare.main([*args, f'--out_dir={tmp_path}/a']) == 0
     out = tmp_path / 'b'
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, 'prepare.py'), *args,
-                             f'--out_dir={out}'],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                             f'--out_dir={out}'], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 60
     while not (out / 'train.bin.tmp').exists() or (out / 'train.bin.tmp').stat().st_size == 0:
         assert proc.poll() is None and time.time() < deadline, 'finished before interrupted'
@@ -1969,8 +1951,7 @@ def test_tiktoken_tokenizer_or_clear_offline_error(tmp_path, capsys):
     for i in range(10):
         (tmp_path / f'{i}.txt').write_text(f'Hello world {i}. ' * 50)
     code, _, err = run_main(capsys, 'prepare', 'text', f'--input={tmp_path}/*.txt',
-                            '--tokenizer=gpt2',
-                            f'--out_dir={tmp_path}/out')
+                            '--tokenizer=gpt2', f'--out_dir={tmp_path}/out')
     if code == 0:  # online, or the vocabulary is cached
         meta, docs, _ = read_folder(tmp_path / 'out')
         assert meta['tokenizer'] == {'kind': 'tiktoken', 'name': 'gpt2'}
@@ -2110,8 +2091,7 @@ def test_each_script_refuses_its_own_out_of_range_keys(script, argv, culprit, tm
 # known by construction, MFU bounds
 
 BENCH_TINY = ['--d_model=32', '--n_layers=1', '--n_ctx=16', '--vocab_size=128', '--batch_size=2',
-              '--dtype=float32',
-              '--device=cpu']
+              '--dtype=float32', '--device=cpu']
 
 
 def test_bench_throughput_rows_and_mfu(tmp_path):
@@ -2153,9 +2133,8 @@ def test_bench_throughput_oom_row_and_json_as_rows_finish(tmp_path, monkeypatch,
 
 def test_bench_retrieval_times_full_and_trimmed_steps(corpus):
     rows = bench.main(['retrieval', '--archs=mixer,llama', '--d_model=32', '--n_layers=1',
-                       '--n_ctx=32',
-                       '--batch_size=4', '--dtype=float32', f'--data_dir={corpus.data}',
-                       '--warmup=1', '--repeats=1'])
+                       '--n_ctx=32', '--batch_size=4', '--dtype=float32',
+                       f'--data_dir={corpus.data}', '--warmup=1', '--repeats=1'])
     assert [(r['arch'], r['padding']) for r in rows] == [('mixer', 'full'), ('mixer', 'trimmed'),
                                                          ('llama', 'full'), ('llama', 'trimmed')]
     assert all(r['ms_per_step'] > 0 and 0 < r['real_tokens'] < 1 for r in rows)
@@ -2305,8 +2284,7 @@ def test_bench_all_prints_tables_writes_json_and_plot(tmp_path, capsys):
         has_plot = False
     js, png = tmp_path / 'all.json', tmp_path / 'all.png'
     rows = bench.main(['all', '--archs=mixer', *BENCH_TINY, '--prompt=4', '--new_tokens=4',
-                       '--steps=20',
-                       '--warmup=1', '--repeats=1', f'--json={js}',
+                       '--steps=20', '--warmup=1', '--repeats=1', f'--json={js}',
                        *([f'--plot={png}'] if has_plot else [])])
     out = capsys.readouterr().out
     assert {r['mode'] for r in rows} == {'throughput', 'memory', 'generate', 'represent'}
@@ -2402,9 +2380,8 @@ def test_race_ctrl_c_leaves_no_child_behind(data, tmp_path):
     race), exits 130 and still writes what was measured."""
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, 'bench.py'), 'race', *RACE_TINY,
                              f'--data_dir={data}', f'--out_dir={tmp_path}', '--max_time=600',
-                             '--eval_seconds=300'],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
-                            start_new_session=True)
+                             '--eval_seconds=300'], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=ENV, start_new_session=True)
     try:
         def evaluated(arch):  # step 0 is evaluated: the run is training
             log = tmp_path / arch / 'log.jsonl'
@@ -2578,8 +2555,7 @@ def test_cuda_training_learns(data, tmp_path, arch, dtype):
     """train.py on the GPU in each dtype lowers the loss; fp16 runs with a GradScaler whose state is
     saved."""
     assert train_run(data, tmp_path, '--device=cuda', f'--dtype={dtype}', f'--arch={arch}',
-                     '--max_iters=20',
-                     '--eval_interval=20') == 0
+                     '--max_iters=20', '--eval_interval=20') == 0
     evals = records(tmp_path, 'val_loss')
     assert [r['step'] for r in evals] == [0, 20]
     assert evals[1]['train_loss'] < evals[0]['train_loss'] - 0.5
@@ -2604,9 +2580,8 @@ def test_cuda_compile_follows_the_eager_loss_curve(data, tmp_path, arch):
 @cuda
 def test_cuda_torchrun_one_process_is_ddp_over_nccl(data, tmp_path):
     """torchrun --nproc_per_node=1 wraps the model in DDP over nccl (as on N GPUs) and trains."""
-    proc = torchrun('train.py',
-                    [*TINY, f'--data_dir={data}', f'--out_dir={tmp_path}', '--device=cuda',
-                                 '--max_iters=10', '--eval_interval=10'], nproc=1)
+    proc = torchrun('train.py', [*TINY, f'--data_dir={data}', f'--out_dir={tmp_path}',
+                                 '--device=cuda', '--max_iters=10', '--eval_interval=10'], nproc=1)
     assert 'DDP over nccl, 1 process(es)' in proc.stdout
     evals = records(tmp_path, 'val_loss')
     assert evals[-1]['step'] == 10 and evals[-1]['train_loss'] < evals[0]['train_loss']
@@ -2618,8 +2593,7 @@ def test_cuda_kill9_then_resume_continues_the_run(data, tmp_path):
     (to float tolerance, not bit for bit: CUDA's embedding backward adds with atomics, in any
     order)."""
     args = [f'--data_dir={data}', *TINY, '--device=cuda', '--dtype=float32', '--max_iters=300',
-            '--eval_interval=25',
-            '--log_interval=1']
+            '--eval_interval=25', '--log_interval=1']
     a, b = interrupted_and_resumed(args, tmp_path)
     for k in a['model']:
         torch.testing.assert_close(b['model'][k], a['model'][k], atol=1e-4, rtol=1e-3)
@@ -2633,8 +2607,7 @@ def test_cuda_sample_and_bench(trained, capsys):
     path: MFU against the measured peak, peaks from max_memory_allocated, decoding beside its
     ceiling."""
     argv = [f'--ckpt={trained}/ckpt.pt', '--prompt=def f2_1(x):', '--max_new_tokens=40',
-            '--temperature=0',
-            '--device=cuda', '--dtype=float32']
+            '--temperature=0', '--device=cuda', '--dtype=float32']
     code, cached, _ = run_main(capsys, 'sample', *argv)
     assert code == 0 and run_main(capsys, 'sample', *argv, '--method=window')[1] == cached
     gpu = ['--d_model=64', '--n_layers=1', '--vocab_size=128', '--device=cuda', '--dtype=bfloat16']
@@ -2749,8 +2722,7 @@ def trained(data, tmp_path_factory):
     """The out_dir of a tiny mixer trained for 25 steps on `data`."""
     out = tmp_path_factory.mktemp('trained')
     assert train.main([f'--data_dir={data}', f'--out_dir={out}', *TINY, '--batch_size=8',
-                       '--max_iters=25',
-                       '--lr=3e-3', '--warmup_iters=2', '--eval_interval=25',
+                       '--max_iters=25', '--lr=3e-3', '--warmup_iters=2', '--eval_interval=25',
                        '--eval_iters=1']) == 0
     return out
 
@@ -2804,8 +2776,7 @@ def cpu_kind(monkeypatch, native):
 
 def torchrun(script, argv, nproc=2):
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone',
-           f'--nproc_per_node={nproc}',
-           os.path.join(HERE, script), *argv]
+           f'--nproc_per_node={nproc}', os.path.join(HERE, script), *argv]
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
     if proc.returncode:  # shown in full with the failure (an assert message would be cut short)
         print(proc.stdout[-1500:], proc.stderr[-5000:], sep='\n')
@@ -2929,8 +2900,7 @@ def prepare_cli(*argv, env=None, cwd=None):
     env = {**{k: v for k, v in os.environ.items() if k not in ('HF_ENDPOINT', 'HF_HUB_OFFLINE')},
            **(env or {})}
     return subprocess.run([sys.executable, os.path.join(HERE, 'prepare.py'), *argv],
-                          capture_output=True,
-                          text=True, env=env, cwd=cwd, timeout=120)
+                          capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
 
 
 def instruct(rng, n):
@@ -3010,8 +2980,7 @@ def hub():
     server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield dict(url=f'http://127.0.0.1:{server.server_port}', served=served, files=files,
-               stories=stories,
-               itrain=itrain, ivalid=ivalid, shards=shards)
+               stories=stories, itrain=itrain, ivalid=ivalid, shards=shards)
     server.shutdown()
 
 
@@ -3266,10 +3235,9 @@ def test_leftovers_are_cleaned_up(data, tmp_path, capsys):
     assert train_run(data, tmp_path / 'out', '--max_iters=2', '--eval_interval=2') == 0
     assert sorted(os.listdir(tmp_path / 'out')) == ['best.pt', 'ckpt.pt', 'log.jsonl']
     (tmp_path / 'garbage.model').write_bytes(b'not a tokenizer')
-    refused(capsys, 'prepare',
-            ['text', f'--input={data}/../corpus.txt', f'--tokenizer={tmp_path}/garbage.model',
-                                f'--out_dir={tmp_path}/d'], 'garbage.model',
-            keep=[os.path.dirname(data)])
+    refused(capsys, 'prepare', ['text', f'--input={data}/../corpus.txt',
+                                f'--tokenizer={tmp_path}/garbage.model', f'--out_dir={tmp_path}/d'],
+            'garbage.model', keep=[os.path.dirname(data)])
     assert not [n for n in os.listdir(tmp_path / 'd') if '.tmp' in n]
     (tmp_path / 'src').mkdir()
     for i in range(20):
