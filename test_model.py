@@ -220,12 +220,10 @@ def test_masked_weights_get_exactly_zero_gradient(variant):
     mixings = [m for m in model.modules() if isinstance(m, M.Mixing)]
     for mix in mixings:
         keep = M.allowed('causal', mix.weight, 0)             # (n_out, n_in)
-        # (H, n_out, n_in) or (H, k, n_out, n_in)
-        g = mix.weight.grad
+        g = mix.weight.grad  # (H, n_out, n_in) or (H, k, n_out, n_in)
         assert torch.count_nonzero(g * ~keep) == 0
         used = keep.clone()
-        # e > 1: hidden rows past n_ctx are never read, so they get no gradient
-        used[N:] = False
+        used[N:] = False  # e > 1: hidden rows past n_ctx are never read, so they get no gradient
         used[0] &= not mix.softmax  # a softmax over one allowed entry is the constant 1
         assert torch.count_nonzero(g * used) == used.sum() * g[..., 0, 0].numel()
     kinds = (M.TokenMixing, M.Mixing, M.Attention)
@@ -423,8 +421,7 @@ def test_bidirectional_streams_share_feedforwards_as_the_author_did(arch):
     # separate feed-forwards never load as shared
     with pytest.raises(ValueError, match='share_ffn'):
         shared.load_state_dict(apart.state_dict())
-    # shared ones load as two equal copies
-    apart.load_state_dict(shared.state_dict())
+    apart.load_state_dict(shared.state_dict())  # shared ones load as two equal copies
     x = torch.randint(0, V, (2, N))
     shared(x, x)[1].backward()
     assert all(p.grad is not None for p in shared.parameters())
@@ -1271,8 +1268,8 @@ def test_info_nce_is_eq7():
     both = retrieve.info_nce(q, t, torch.arange(6), tau, symmetric=True).item()
     assert both == pytest.approx((nce(q, t, torch.arange(6)) + nce(t, q, torch.arange(6))) / 2,
                                  rel=1e-12)
-    # its queries vs all targets, its targets vs its queries
     shard = torch.tensor([2, 3])
+    # its queries vs all targets, its targets vs its queries
     expect = (nce(q[shard], t, shard) + nce(t[shard], q[shard], torch.arange(2))) / 2
     assert retrieve.info_nce(q[shard], t, shard, tau,
                              symmetric=True).item() == pytest.approx(expect, rel=1e-12)
@@ -1313,8 +1310,7 @@ def test_trimmed_padding_equals_the_full_window(variant, embed_pos):
     n = 24
     model = make(tiny(n_ctx=n, **variant))
     gen = torch.Generator().manual_seed(1)
-    # short queries, longer targets, none fills the window
-    lengths = [1, 3, 17, 5, 2, 9, 4, 12]
+    lengths = [1, 3, 17, 5, 2, 9, 4, 12]  # short queries, longer targets, none fills the window
     idx, mask = retrieve.left_pad([torch.randint(4, V, (k,),
                                                  generator=gen).tolist() for k in lengths], n, 3)
     rows = []
@@ -1369,10 +1365,8 @@ def test_samplers_place_the_match_once_uniformly_among_distinct_negatives():
     cands, labels = retrieve.sample_candidates(match, n_pool, k, gen)
     assert cands.shape == (draws, k) and torch.equal(cands[torch.arange(draws), labels], match)
     assert ((cands == match[:, None]).sum(1) == 1).all()                 # the match exactly once
-    # negatives without replacement
-    assert all(len(set(row)) == k for row in cands.tolist())
-    # p = 0.001 for 7 degrees of freedom
-    assert chi2(labels, k) < 24.3
+    assert all(len(set(row)) == k for row in cands.tolist())  # negatives without replacement
+    assert chi2(labels, k) < 24.3  # p = 0.001 for 7 degrees of freedom
     negs = cands[torch.arange(k)[None] != labels[:, None]]
     # negatives spread over the pool
     freq = torch.bincount(negs, minlength=n_pool).double() / len(negs)
@@ -1481,8 +1475,7 @@ def test_retrieval_mixer_learns_algorithm1_inputs():
     it."""
     torch.manual_seed(0)
     t = torch.randn(400, 32)
-    # a query is its target, noised
-    q = t + 0.3 * torch.randn(400, 32)
+    q = t + 0.3 * torch.randn(400, 32)  # a query is its target, noised
     model, gen = M.RetrievalMixer(32, 2, 8), torch.Generator().manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(300):
@@ -2162,8 +2155,7 @@ def test_bench_memory(capsys):
                           'mixer', 2, 256) is None
     small = ['--d_model=64', '--n_layers=2', '--n_ctx=512', '--dtype=float32', '--batch_size=2']
     one, eight = (bench.settings(['memory', *small, f'--n_heads={h}'], 'memory') for h in (1, 8))
-    # the default archs: mixer, llama
-    assert [cfg.n_heads for cfg in bench.grid(eight)] == [1, 8]
+    assert [cfg.n_heads for cfg in bench.grid(eight)] == [1, 8]  # the default archs: mixer, llama
     # the 7 more heads' attention weights kept for backward alone: 7 x 2 rows x 512^2 x 4 bytes x 2
     # layers = 29 MB (peak RSS shows 55 to 100 MB more, depending on the allocator's reuse)
     assert bench.run_cell(eight, 'llama', 2,
@@ -2201,12 +2193,10 @@ def test_decode_bytes_weights_once_cache_rows_per_sequence():
         assert bench.decode_bytes(model, 5, batch=3) - one == 2 * per_seq
         every = sum(p.numel() for p in model.parameters()) * 4
         assert one < every == bench.decode_bytes(model, 5, cached=False)
-        # weights and cache halve
-        assert bench.decode_bytes(model.to(torch.bfloat16), 5) * 2 == one
+        assert bench.decode_bytes(model.to(torch.bfloat16), 5) * 2 == one  # weights and cache halve
     tied = build_model(ModelConfig(vocab_size=vocab, n_ctx=16, d_model=d, n_layers=L,
                                    tie_weights=True))
-    # the lm head reads the table
-    assert bench.decode_bytes(tied, 5) > vocab * d * 4
+    assert bench.decode_bytes(tied, 5) > vocab * d * 4  # the lm head reads the table
 
 
 def bench_mixer(vocab=128, **kw):
@@ -3041,8 +3031,7 @@ REFUSALS = [
      'batch_sise'),
     ('retrieve', ['train', '--init_from={tmp}/x.pt', '--warmup_iters=-2'], 'warmup_iters'),
     ('bench', ['sideways'], 'sideways'), ('bench', ['throughput', '--n_ctx=abc'], 'n_ctx'),
-    # a list only in generate
-    ('bench', ['throughput', '--batch_size=1,16'], 'batch_size'),
+    ('bench', ['throughput', '--batch_size=1,16'], 'batch_size'),  # a list only in generate
     ('bench', ['throughput', '--archs=rnn'], 'rnn'),
             ('bench', ['throughput', *BENCH_TINY, '--repeats=0'], 'repeats'),
     ('bench', ['generate', *BENCH_TINY, '--new_tokens=0'], 'new_tokens'),
@@ -3058,8 +3047,7 @@ REFUSALS = [
     # input files: missing, empty, unreadable, or not what they should be
     ('train', ['--data_dir={tmp}/nope', OUT], '{tmp}/nope'),
     ('train', ['--data_dir={data}', '--out_dir={tmp}/none', '--init_from=resume'], '{tmp}/none'),
-    # a preset holds assignments only
-    ('train', ['{tmp}/notpreset.py'], 'notpreset.py'),
+    ('train', ['{tmp}/notpreset.py'], 'notpreset.py'),  # a preset holds assignments only
     ('train', ['--out_dir={trained}', '{tmp}/latin1.txt'], 'latin1.txt'),
     ('sample', ['--out_dir={tmp}/none'], '{tmp}/none'),
             ('sample', ['--ckpt={tmp}/cut/ckpt.pt'], '{tmp}/cut/ckpt.pt'),
@@ -3147,8 +3135,7 @@ def test_refusal(script, argv, culprit, corpus, request, tmp_path, capsys):
                     'ae': corpus.ae}[m[1]])
     fill = lambda text: re.sub(r'\{(\w+)\}', value, str(text))  # noqa: E731
     refused(capsys, script, [fill(a) for a in argv], fill(culprit), keep=keep)
-    # train makes no out_dir either
-    assert script != 'train' or not (tmp_path / 'out').exists()
+    assert script != 'train' or not (tmp_path / 'out').exists()  # train makes no out_dir either
 
 
 @pytest.mark.parametrize('script,words',
