@@ -14,8 +14,9 @@ How the file reads:
  10. fixtures and helpers, the local hub server
  11. refusals in every script: status 2, one `error:` line naming the culprit, nothing overwritten
 """
-import ast, contextlib, dataclasses, hashlib, http.server, io, json, math, os, platform, random, re
-import shutil, signal, socket, subprocess, sys, threading, time, types, urllib.parse
+import ast, contextlib, dataclasses, fnmatch, hashlib, http.server, importlib.util, io, json
+import math, os, platform, random, re, shutil, signal, socket, subprocess, sys, threading, time
+import types, urllib.parse
 
 import numpy as np
 import pyarrow as pa
@@ -130,14 +131,19 @@ def test_window_equals_cache_equals_full_forward(variant):
     """The paper's window (re-run whole each step), the cache (one position a step) and the training
     forward: the same greedy tokens for 2.5 windows (both slide alike), the same logits in the
     first."""
-    model = tiny_model(**variant)
-    idx = prompt(5)
+    model, idx = tiny_model(**variant), prompt(5)
+    logit_c, tok_c = window_equals_cache(model, idx)
+    full, _ = model(torch.cat([idx, tok_c[:, :N_CTX - 5]], 1))      # (B, N_CTX, vocab)
+    torch.testing.assert_close(logit_c[:, :N_CTX - 5], full[:, 4:-1], atol=1e-4, rtol=0)
+
+
+def window_equals_cache(model, idx):
+    """Greedy decoding for 2.5 windows both ways: the same tokens, logits within 1e-4."""
     tok_w, logit_w = decode(model, idx, 2 * N_CTX + N_CTX // 2, 'window')
     tok_c, logit_c = decode(model, idx, 2 * N_CTX + N_CTX // 2, 'cache')
     assert torch.equal(tok_w, tok_c) and len(tok_c.unique()) > 3    # > 3: not a trivial comparison
     torch.testing.assert_close(logit_c, logit_w, atol=1e-4, rtol=0)
-    full, _ = model(torch.cat([idx, tok_c[:, :N_CTX - 5]], 1))      # (B, N_CTX, vocab)
-    torch.testing.assert_close(logit_c[:, :N_CTX - 5], full[:, 4:-1], atol=1e-4, rtol=0)
+    return logit_c, tok_c
 
 
 # =============================================================================
@@ -1037,10 +1043,15 @@ def test_a_preset_without_its_data_names_its_prepare_command(preset, dataset, tm
 
 
 def test_outputs_default_under_out_which_git_ignores():
-    """Passes before this change too: every training output lands in out/, which is ignored."""
+    """Every training output lands in out/, which git ignores, as it does retrieve's runs and index,
+    a downloaded peer's models/ folder and the bench outputs the README names."""
     assert train.DEFAULTS['out_dir'] == sample.DEFAULTS['out_dir'] == 'out'
-    ignored = open(os.path.join(HERE, '.gitignore')).read().split()
+    ignored = [p.strip().lstrip('/') for p in open(os.path.join(HERE, '.gitignore')) if p.strip()]
     assert 'out*/' in ignored or 'out/' in ignored
+    folders = (retrieve.INDEX['index'], retrieve.TRAIN['out_dir'], retrieve.INDIRECT['out_dir'],
+               'models')
+    for name in [f.split('/')[0] + '/' for f in folders] + ['bench.json', 'bench.png']:
+        assert any(fnmatch.fnmatch(name, p) for p in ignored), name
 
 
 # =============================================================================
@@ -1676,9 +1687,6 @@ def test_train_paper_negatives_and_autoencoder_encoder(corpus, capsys, tmp_path)
             assert after['config']['negatives'] == 'paper' and 'backbone.wte.weight' in changed
 
 
-import fnmatch, importlib.util  # noqa: E402 (this block's own)
-
-
 def test_index_joins_a_short_last_chunk_to_its_neighbour(corpus, capsys, tmp_path):
     """A document's last chunk of a few tokens (which cosines rank first) joins the chunk before
     it, whose embedding still reads its own window; --min_chunk=0 keeps every window apart."""
@@ -1752,13 +1760,7 @@ def test_peer_by_name_fails_fast_without_the_hub(corpus, capsys, monkeypatch):
 
 
 def test_index_and_search_default_under_an_ignored_folder(corpus, capsys, tmp_path, monkeypatch):
-    """index and search need no --index: it defaults under out/, which git ignores, as do the
-    runs' out_dirs and a downloaded peer's models/ folder."""
-    ignored = [p.strip() for p in open(os.path.join(os.path.dirname(__file__), '.gitignore'))]
-    for folder in (retrieve.INDEX['index'], retrieve.TRAIN['out_dir'],
-                   retrieve.INDIRECT['out_dir'], 'models'):
-        top = folder.split('/')[0] + '/'
-        assert any(fnmatch.fnmatch(top, p.lstrip('/')) for p in ignored), folder
+    """index and search need no --index: it defaults under out/ (which git ignores, section 4)."""
     monkeypatch.chdir(tmp_path)
     assert run_main(capsys, 'retrieve', 'index', f'--ckpt={corpus.mixer}',
                     f'--docs={corpus.data}/pairs_val.jsonl')[0] == 0
@@ -2443,20 +2445,6 @@ def test_bench_plot_refused_before_any_work_where_no_row_is_drawn(monkeypatch, c
         refused(capsys, 'bench', [mode, f'--plot={tmp_path}/b.png'], 'plot', keep=[tmp_path])
 
 
-def test_bench_mode_help_shows_that_modes_sizes(capsys):
-    code, out, _ = run_main(capsys, 'bench', 'memory', '--help')
-    line = next(line for line in out.splitlines() if '--d_model' in line)
-    assert code == 0 and '1024' in line, line
-
-
-def test_bench_output_names_in_the_readme_are_ignored_by_git():
-    import fnmatch
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), '.gitignore')) as f:
-        patterns = [p.strip().lstrip('/') for p in f if p.strip()]
-    for name in ('bench.json', 'bench.png'):
-        assert any(fnmatch.fnmatch(name, p) for p in patterns), name
-
-
 # =============================================================================
 # 9. CUDA: the GPU code paths (skipped without a GPU; on one: python -m pytest -q -k cuda)
 
@@ -2515,12 +2503,7 @@ def test_cuda_sdpa_kernels_match_explicit_attention(arch, kernel, amp, padding, 
 def test_cuda_window_equals_cache(variant, no_tf32):
     """Section 2's decoding equivalence on the GPU (fp32): the same greedy tokens through a slide.
     """
-    model = tiny_model(**variant).cuda()
-    idx = prompt(5).cuda()
-    tok_w, logit_w = decode(model, idx, 2 * N_CTX + N_CTX // 2, 'window')
-    tok_c, logit_c = decode(model, idx, 2 * N_CTX + N_CTX // 2, 'cache')
-    assert torch.equal(tok_w, tok_c) and len(tok_c.unique()) > 3
-    torch.testing.assert_close(logit_c, logit_w, atol=1e-4, rtol=0)
+    window_equals_cache(tiny_model(**variant).cuda(), prompt(5).cuda())
 
 
 @cuda
