@@ -953,11 +953,16 @@ def test_demo_preset_is_a_step_budget_so_its_result_does_not_depend_on_the_machi
     assert cfg['max_time'] == 0 and cfg['max_iters'] > 0
 
 
-def test_step_line_shows_elapsed_time_and_what_is_left(data, tmp_path, capsys):
+def test_step_line_shows_elapsed_time_and_what_is_left(data, tmp_path, monkeypatch, capsys):
     """Each step line ends with the wall time so far and the training time left, from the step or
-    time budget, whichever ends first."""
-    assert train_run(data, tmp_path, '--max_iters=10', '--eval_interval=10') == 0
-    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('step 5 |')]
+    time budget, whichever ends first. A slow evaluation shows its progress, fast ones do not."""
+    assert train_run(data, tmp_path / 'a', '--max_iters=10', '--eval_interval=10') == 0
+    out, err = capsys.readouterr()
+    assert 'evaluating' not in err
+    monkeypatch.setattr(train, 'EVAL_QUIET_S', 0.0)  # as if every batch took long
+    assert train_run(data, tmp_path / 'b', '--max_iters=2', '--eval_interval=2') == 0
+    assert 'evaluating val: batch 2 of 2' in capsys.readouterr().err
+    lines = [l for l in out.splitlines() if l.startswith('step 5 |')]
     assert len(lines) == 1 and re.search(r'\| \d+:\d\d elapsed, ~\d+:\d\d left$', lines[0]), lines
     cfg = dict(max_iters=100, max_time=0.0)
     assert train.time_left(cfg, 50, 1e3, 2.0) == 100.0                    # steps: 50 at 2 s
@@ -965,24 +970,19 @@ def test_step_line_shows_elapsed_time_and_what_is_left(data, tmp_path, capsys):
     assert train.clock(3723) == '1:02:03' and train.clock(59.9) == '0:59'
 
 
-def test_train_without_arguments_on_a_cpu_names_the_demo(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize('preset,says', [(None, ['config/demo.py', 'GPU']),
+                                          ('tinystories_mixer', ['python prepare.py tinystories']),
+                                          ('fineweb_llama', ['python prepare.py fineweb-edu'])])
+def test_train_without_arguments_on_a_cpu_names_the_demo(preset, says, tmp_path, monkeypatch,
+                                                         capsys):
     """The defaults are GPU-sized: on a CPU a bare `python train.py` says what to run instead, at
-    once, rather than training for hours (run where there is no data, which it must not reach)."""
+    once, rather than training for hours; a preset without its data names its prepare command (run
+    where there is no data, which neither must reach)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
-    code, _, err = run_main(capsys, 'train')
-    assert code == 2 and 'config/demo.py' in err and 'GPU' in err, err
-    assert not os.listdir(tmp_path)
-
-
-def test_slow_evaluation_shows_its_progress_and_fast_ones_do_not(data, tmp_path, monkeypatch,
-                                                                  capsys):
-    argv = ['--max_iters=2', '--eval_interval=2']
-    assert train_run(data, tmp_path / 'a', *argv) == 0
-    assert 'evaluating' not in capsys.readouterr().err
-    monkeypatch.setattr(train, 'EVAL_QUIET_S', 0.0)  # as if every batch took long
-    assert train_run(data, tmp_path / 'b', *argv) == 0
-    assert 'evaluating val: batch 2 of 2' in capsys.readouterr().err
+    argv = [os.path.join(HERE, 'config', f'{preset}.py')] if preset else []
+    code, _, err = run_main(capsys, 'train', *argv)
+    assert code == 2 and all(w in err for w in says) and not os.listdir(tmp_path), err
 
 
 def test_ctrl_c_says_whether_anything_was_saved(data, tmp_path, monkeypatch, capsys):
@@ -1009,37 +1009,27 @@ def test_ctrl_c_says_whether_anything_was_saved(data, tmp_path, monkeypatch, cap
     assert code == 130 and '--init_from=resume' in err, err
 
 
-def test_resume_and_fresh_runs_name_the_way_out(data, tmp_path, capsys):
+def test_resume_and_fresh_runs_name_the_way_out(data, tmp_path, monkeypatch, capsys):
     """No checkpoint to resume: start afresh with --overwrite. A folder holding a log but no
-    checkpoint: --overwrite only; one holding a checkpoint: resume or --overwrite."""
+    checkpoint: --overwrite only; one holding a checkpoint: resume or --overwrite, nothing touched.
+    Resuming a spent budget says so at once, naming --max_iters and --max_time, and evaluates
+    nothing again. --overwrite starts the run afresh."""
     argv = [f'--data_dir={data}', f'--out_dir={tmp_path}', *TINY, '--max_iters=4']
     refused(capsys, 'train', [*argv, '--init_from=resume'], '--overwrite')
     (tmp_path / 'log.jsonl').write_text('')
     code, _, err = run_main(capsys, 'train', *argv)
     assert code == 2 and '--overwrite' in err and '--init_from=resume' not in err, err
     assert train_run(data, tmp_path, '--max_iters=4', '--eval_interval=4', '--overwrite') == 0
-    code, _, err = run_main(capsys, 'train', *argv)
-    assert code == 2 and '--overwrite' in err and '--init_from=resume' in err, err
-
-
-def test_resuming_a_spent_budget_says_so_at_once(data, tmp_path, monkeypatch, capsys):
-    """It names --max_iters and --max_time, and evaluates nothing again."""
-    assert train_run(data, tmp_path, '--max_iters=4', '--eval_interval=4') == 0
+    assert '--init_from=resume' in refused(capsys, 'train', argv, '--overwrite', keep=[tmp_path])
     log = (tmp_path / 'log.jsonl').read_text()
     monkeypatch.setattr(train, 'evaluate', None)  # would raise if called
-    code, out, err = run_main(capsys, 'train', f'--data_dir={data}', f'--out_dir={tmp_path}',
-                              *TINY, '--max_iters=4', '--init_from=resume')
+    code, out, err = run_main(capsys, 'train', *argv, '--init_from=resume')
     assert code == 2 and 'spent' in err and '--max_iters' in err and '--max_time' in err, err
     assert (tmp_path / 'log.jsonl').read_text() == log
-
-
-@pytest.mark.parametrize('preset,dataset', [('tinystories_mixer', 'tinystories'),
-                                            ('fineweb_llama', 'fineweb-edu')])
-def test_a_preset_without_its_data_names_its_prepare_command(preset, dataset, tmp_path,
-                                                             monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)  # no data/ here
-    code, _, err = run_main(capsys, 'train', os.path.join(HERE, 'config', f'{preset}.py'))
-    assert code == 2 and f'python prepare.py {dataset}' in err, err
+    monkeypatch.undo()
+    assert train_run(data, tmp_path, '--max_iters=2', '--eval_interval=2', '--overwrite') == 0
+    assert max(r['step'] for r in records(tmp_path, 'loss')) == 2
+    assert weights(tmp_path, 'best.pt')['step'] == 2
 
 
 def test_outputs_default_under_out_which_git_ignores():
@@ -2723,8 +2713,9 @@ def run_main(capsys, script, *argv):
 
 
 def refused(capsys, script, argv, culprit, keep=()):
-    """script's main refuses argv: status 2, one `error:` line (the last on stderr) naming the
-    culprit, no traceback, and every file under the folders in keep unchanged (none added)."""
+    """script's main refuses argv: status 2, one `error:` line (the last on stderr, returned)
+    naming the culprit, no traceback, and every file under the folders in keep unchanged (none
+    added)."""
     tree = lambda folder: {os.path.join(d, n): open(os.path.join(d, n), 'rb').read()  # noqa: E731
                            for d, _, names in os.walk(folder) for n in names}
     before = [tree(k) for k in keep]
@@ -2734,6 +2725,7 @@ def refused(capsys, script, argv, culprit, keep=()):
     assert code == 2 and errors == lines[-1:] and 'Traceback' not in err, (code, err)
     assert culprit in errors[0], (culprit, errors[0])
     assert [tree(k) for k in keep] == before
+    return errors[0]
 
 
 def without_paths(text):
@@ -3135,15 +3127,6 @@ def test_a_batch_two_processes_cannot_share_is_refused_before_any_process_group(
                                                                                  monkeypatch):
     monkeypatch.setenv('WORLD_SIZE', '2')
     refused(capsys, 'train', [f'--data_dir={data}', '--batch_size=3'], 'batch_size')
-
-
-def test_overwrite_starts_the_run_afresh(data, tmp_path, capsys):
-    assert train_run(data, tmp_path, '--max_iters=4', '--eval_interval=4') == 0
-    argv = [f'--data_dir={data}', f'--out_dir={tmp_path}', *TINY, '--max_iters=2']
-    refused(capsys, 'train', argv, '--overwrite', keep=[tmp_path])
-    assert train_run(data, tmp_path, '--max_iters=2', '--eval_interval=2', '--overwrite') == 0
-    assert max(r['step'] for r in records(tmp_path, 'loss')) == 2
-    assert weights(tmp_path, 'best.pt')['step'] == 2
 
 
 @pytest.mark.parametrize('name,damage',
