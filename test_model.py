@@ -1476,14 +1476,22 @@ def test_retrieval_mixer_learns_algorithm1_inputs():
     assert (model(x)[0].argmax(-1) == labels).float().mean() > 0.8     # chance: 1 in 7
 
 
-def test_indirect_trains_and_reports(corpus, capsys, tmp_path):
+def test_indirect_trains_and_reports(corpus, capsys, tmp_path, monkeypatch):
+    """One RetrievalMixer per c, each an 'indirect' checkpoint; embedding reports progress on
+    stderr; each c's training and result lines say which c."""
+    monkeypatch.setattr(retrieve, 'PROGRESS_S', 0.0)      # a line per batch, not per 5 s
     code, out, err = run_main(capsys, 'retrieve', 'indirect', f'--ckpt={corpus.mixer}',
-                              f'--data_dir={corpus.data}',
-                              f'--out_dir={tmp_path}/ind', '--c=4,8', '--n_layers=1',
-                              '--max_iters=6',
-                              '--eval_interval=6', '--eval_iters=1', '--batch_size=16',
+                              f'--data_dir={corpus.data}', f'--out_dir={tmp_path}/ind', '--c=4,8',
+                              '--n_layers=1', '--max_iters=6', '--eval_interval=6',
+                              '--eval_iters=1', '--log_interval=2', '--batch_size=16',
                               f'--json={tmp_path}/ind.json')
     assert code == 0, err
+    assert 'embedding: 32/160 texts' in err and 'embedding: 32/48 texts' in err
+    steps = [line for line in out.splitlines() if 'step ' in line]
+    for c in (4, 8):
+        assert sum(line.startswith(f'c={c}: step ') for line in steps) >= 3, out
+        assert re.search(rf'^c={c}: top-1 [\d.]+%', out, re.M), out
+    assert all(line.startswith(('c=4: ', 'c=8: ')) for line in steps), out
     res = json.loads((tmp_path / 'ind.json').read_text())['c']
     assert set(res) == {'4', '8'}
     assert all(0 <= r['top1'] <= 100 and r['loss'] > 0 for r in res.values())
@@ -1683,22 +1691,6 @@ def test_index_joins_a_short_last_chunk_to_its_neighbour(corpus, capsys, tmp_pat
         chunks = [json.loads(line) for line in (tmp_path / 'i' / manifest['chunks']).open()]
         assert [c['offset'] for c in chunks] == offsets, (n, min_chunk)
         assert tok.decode(tok.encode(text)[-(n % 31):]).strip() in chunks[-1]['text']
-
-
-def test_indirect_shows_progress_and_labels_each_c(corpus, capsys, tmp_path, monkeypatch):
-    """Embedding reports progress on stderr; each c's training and result lines say which c."""
-    monkeypatch.setattr(retrieve, 'PROGRESS_S', 0.0)      # a line per batch, not per 5 s
-    code, out, err = run_main(capsys, 'retrieve', 'indirect', f'--ckpt={corpus.mixer}',
-                              f'--data_dir={corpus.data}', f'--out_dir={tmp_path}/ind', '--c=4,8',
-                              '--n_layers=1', '--max_iters=2', '--eval_interval=2',
-                              '--eval_iters=1', '--log_interval=1', '--batch_size=8')
-    assert code == 0, err
-    assert 'embedding: 32/160 texts' in err and 'embedding: 32/48 texts' in err
-    steps = [line for line in out.splitlines() if 'step ' in line]
-    for c in (4, 8):
-        assert sum(line.startswith(f'c={c}: step ') for line in steps) >= 3, out
-        assert re.search(rf'^c={c}: top-1 [\d.]+%', out, re.M), out
-    assert all(line.startswith(('c=4: ', 'c=8: ')) for line in steps), out
 
 
 class HubOnlyPeer:
