@@ -242,11 +242,10 @@ def test_masked_weights_get_exactly_zero_gradient(variant):
     assert variant or counts['mixing_effective'] == 2 * (N * (N + 1) // 2 + N)
 
 
-@pytest.mark.parametrize('objective,arch,T',
-                         [('clm', 'mixer', N), ('mtp2', 'mixer', N), ('mtp2', 'llama', N),
-                                              ('half', 'mixer', N), ('half', 'llama', N),
-                                              ('half', 'elita', N),
-                                              ('half', 'mixer', N // 2), ('half', 'llama', N // 2)])
+@pytest.mark.parametrize('objective,arch,T', [
+    ('clm', 'mixer', N), ('mtp2', 'mixer', N), ('mtp2', 'llama', N), ('half', 'mixer', N),
+    ('half', 'llama', N), ('half', 'elita', N), ('half', 'mixer', N // 2),
+    ('half', 'llama', N // 2)])
 def test_loss_never_sees_what_it_predicts(objective, arch, T):
     """A loss with one target at j (half: its own targets, the second half, also for inputs shorter
     than n_ctx) is unchanged by the tokens it predicts and has exactly zero gradient there."""
@@ -594,18 +593,17 @@ def test_every_arch_overfits_one_batch(variant):
 @pytest.mark.parametrize('kw,key', [
     (dict(arch='mamba'), 'arch'), (dict(d_model=0), 'd_model'), (dict(n_ctx=-4), 'n_ctx'),
     (dict(d_model=18, n_heads=4), 'n_heads'), (dict(kernel=0), 'kernel'),
-                                    (dict(kernel=99), 'kernel'),
-    (dict(arch='llama', kernel=3), 'arch'), (dict(expansion=-1.0), 'expansion'),
-    (dict(objective='mlm'), 'objective'), (dict(arch='gpt', objective='autoencoder'), 'objective'),
+    (dict(kernel=99), 'kernel'), (dict(arch='llama', kernel=3), 'arch'),
+    (dict(expansion=-1.0), 'expansion'), (dict(objective='mlm'), 'objective'),
+    (dict(arch='gpt', objective='autoencoder'), 'objective'),
     (dict(arch='elita', causal=False), 'causal'),
-                                    (dict(arch='llama', d_model=12, n_heads=4), 'n_heads'),
+    (dict(arch='llama', d_model=12, n_heads=4), 'n_heads'),
     (dict(expansion=2.0, n_convs=2), 'n_convs'),
-                                    (dict(objective='bidirectional', softmax=True), 'softmax'),
+    (dict(objective='bidirectional', softmax=True), 'softmax'),
     (dict(pos_channel='all'), 'pos_channel'), (dict(hybrid_order='parallel'), 'hybrid_order'),
     (dict(arch='llama', pos_channel='input'), 'pos_channel'),
-    (dict(n_heads=2, pos_channel='every'), 'pos_channel'),
+    (dict(n_heads=2, pos_channel='every'), 'pos_channel'), (dict(share_ffn=False), 'share_ffn'),
     (dict(arch='hybrid', hybrid_order='attn'), 'hybrid_order'),
-                                    (dict(share_ffn=False), 'share_ffn'),
     (dict(objective='bidirectional', share_ffn=1), 'share_ffn')])
 def test_bad_config_is_a_one_line_value_error_naming_the_field(kw, key):
     with pytest.raises(ValueError, match=key) as err:
@@ -646,17 +644,20 @@ LEARNS = ([(a, o, []) for a in ARCHS for o in ('clm', 'mtp2', 'half')]
 @pytest.mark.parametrize('arch,objective,extra', LEARNS,
                          ids=[f'{a}-{o}' + '-docs' * bool(e) for a, o, e in LEARNS])
 def test_every_arch_and_objective_learns(data, tmp_path, arch, objective, extra):
-    """20 steps lower the training loss by 0.5 nats, and the checkpoint rebuilds the trained model.
-    """
-    assert train_run(data, tmp_path, f'--arch={arch}', f'--objective={objective}', '--max_iters=20',
-                     '--eval_interval=20', *extra) == 0
-    evals = records(tmp_path, 'val_loss')
-    assert [r['step'] for r in evals] == [0, 20]
-    assert evals[1]['train_loss'] < evals[0]['train_loss'] - 0.5
-    ckpt = weights(tmp_path)
+    """20 steps lower the training loss by 0.5 nats; the checkpoint rebuilds the trained model."""
+    ckpt = learns(data, tmp_path, f'--arch={arch}', f'--objective={objective}', *extra)
     assert ckpt['step'] == 20 and ckpt['model_config']['objective'] == objective
     head = train.model_from_checkpoint(ckpt).state_dict()['lm_head.weight']
     assert torch.equal(head, ckpt['model']['lm_head.weight'])
+
+
+def learns(data, out, *extra):
+    """The checkpoint of 20 train.py steps, which lowered the training loss by 0.5 nats."""
+    assert train_run(data, out, '--max_iters=20', '--eval_interval=20', *extra) == 0
+    evals = records(out, 'val_loss')
+    assert [r['step'] for r in evals] == [0, 20]
+    assert evals[1]['train_loss'] < evals[0]['train_loss'] - 0.5
+    return weights(out)
 
 
 @pytest.mark.parametrize('padding', ['right', 'left'])
@@ -738,9 +739,8 @@ def test_resume_keeps_the_recorded_dtype(data, tmp_path, monkeypatch, capsys):
     assert 'emulated' in out.err and weights(tmp_path / 'b')['dtype'] == 'bfloat16'
 
 
-@pytest.mark.parametrize('accum,batch,world',
-                         [(1, 16, 1), (1, 16, 2), (1, 16, 8), (4, 16, 2), (4, 8, 8), (3, 4, 2),
-                                               (2, 6, 3)])
+@pytest.mark.parametrize('accum,batch,world', [(1, 16, 1), (1, 16, 2), (1, 16, 8), (4, 16, 2),
+                                               (4, 8, 8), (3, 4, 2), (2, 6, 3)])
 def test_rank_pieces_cover_every_row_once(accum, batch, world):
     """Every (micro-step, row shard) goes to exactly one rank, and every rank gets as many."""
     pieces = [p for r in range(world) for p in train.rank_pieces(accum, batch, world, r)]
@@ -2489,12 +2489,8 @@ def test_cuda_compiled_decode_step_equals_eager(arch, no_tf32):
 def test_cuda_training_learns(data, tmp_path, arch, dtype):
     """train.py on the GPU in each dtype lowers the loss; fp16 runs with a GradScaler whose state is
     saved."""
-    assert train_run(data, tmp_path, '--device=cuda', f'--dtype={dtype}', f'--arch={arch}',
-                     '--max_iters=20', '--eval_interval=20') == 0
-    evals = records(tmp_path, 'val_loss')
-    assert [r['step'] for r in evals] == [0, 20]
-    assert evals[1]['train_loss'] < evals[0]['train_loss'] - 0.5
-    scaler = weights(tmp_path)['scaler']
+    ckpt = learns(data, tmp_path, '--device=cuda', f'--dtype={dtype}', f'--arch={arch}')
+    scaler = ckpt['scaler']
     assert (scaler is not None and scaler['scale'] > 0) == (dtype == 'float16')
 
 
