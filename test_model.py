@@ -504,6 +504,9 @@ def test_checkpoints_of_the_older_layout_are_refused_in_one_line(tmp_path):
 
 
 def test_param_counts_and_flops():
+    """flops_per_token counts work per use: a feed-forward both streams run counts twice, shared or
+    not; an expanded mixing counts the rows that run: e >= 1 computes n_ctx hidden rows whatever e
+    (12 min(e, 1) n_ctx d)."""
     cfg, llama = tiny(), tiny(arch='llama')
     counts = bench.param_counts(build_model(cfg))
     assert counts['total'] == sum(p.numel() for p in build_model(cfg).parameters())
@@ -511,19 +514,13 @@ def test_param_counts_and_flops():
     assert counts['mixing'] == cfg.n_layers * (N * N + N)
     assert counts['feedforward'] == cfg.n_layers * (2 * 4 * D * D + 5 * D)
     assert counts['embedding'] == 2 * V * D
-    # PaLM-style: 6 x (params but embedding table and mixing; lm head in) + 6 n_ctx d_model per
-    # mixing
+    # PaLM-style: 6 x (params but embedding table and mixing; lm head in) + 6 n_ctx d per mixing
     dense = counts['total'] - counts['mixing'] - V * D
     assert M.flops_per_token(cfg) == 6 * dense + 2 * 6 * N * D
     total = sum(p.numel() for p in build_model(llama).parameters())
     assert M.flops_per_token(llama) == 6 * (total - V * D) + 2 * 12 * N * D
     mtp2 = dataclasses.replace(llama, objective='mtp2')
     assert M.flops_per_token(mtp2) == 2 * M.flops_per_token(llama)
-
-
-def test_flops_count_work_per_use():
-    """A feed-forward both streams run counts twice, shared or not; an expanded mixing counts the
-    rows that run: e >= 1 computes n_ctx hidden rows whatever e (12 min(e, 1) n_ctx d)."""
     for arch in ('mixer', 'llama'):
         shared, apart = (tiny(arch=arch, objective='bidirectional', share_ffn=s)
                          for s in (True, False))
