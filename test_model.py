@@ -71,8 +71,8 @@ PADDED = [(dict(arch=a), p) for a in ARCHS for p in ('right', 'left')]
 
 def test_mixing_is_tril_w_x_plus_b():
     """The masked mixer's core, written out by hand: out[t] = sum_{s<=t} W[t, s] x[s] + b[t] for
-    every channel, which is tril(W) @ x + b; what W holds above the diagonal (the future) is unread.
-    """
+    every channel, which is tril(W) @ x + b; what W holds above the diagonal (the future) is
+    unread."""
     torch.manual_seed(0)
     mix = M.Mixing(N, N).double()                      # weight (1, N, N), bias (1, N, 1)
     x = torch.randn(2, 1, N, D, dtype=torch.float64)   # (B, heads, positions, channels)
@@ -1290,8 +1290,7 @@ TRIM = [dict(), dict(n_heads=2, kernel=3, n_convs=2), dict(expansion=1.5), dict(
 @pytest.mark.parametrize('embed_pos', [-1, -2])
 def test_trimmed_padding_equals_the_full_window(variant, embed_pos):
     """TextEncoder's trim (shared pad states for causal mixers, dropped pad columns for llama) gives
-    the full window's embeddings and InfoNCE gradients, while running fewer rows where it applies.
-    """
+    the full window's embeddings and InfoNCE gradients, running fewer rows where it applies."""
     n = 24
     model = make(tiny(n_ctx=n, **variant))
     gen = torch.Generator().manual_seed(1)
@@ -1531,10 +1530,10 @@ def test_indirect_feeds_raw_hidden_states(corpus, capsys, tmp_path, monkeypatch,
     assert not torch.allclose(h.norm(dim=-1), h.norm(dim=-1).mean())   # raw rows: no common norm
 
 
-def test_index_and_search(corpus, capsys, tmp_path):
+def test_index_and_search(corpus, capsys, tmp_path, monkeypatch):
     """A document's own text finds it first, at cosine 1 (binary files skipped). An index answers
     only queries embedded by its own weights, and no empty ones; --overwrite rebuilds it for other
-    weights."""
+    weights. index and search need no --index."""
     data, mixer, llama = corpus.data, corpus.mixer, corpus.llama
     rng, index = random.Random(2), tmp_path / 'index'
     texts = [''.join(pair_texts(rng, 100 + i)) for i in range(12)]
@@ -1564,6 +1563,12 @@ def test_index_and_search(corpus, capsys, tmp_path):
     assert code == 0 and out.startswith('1. ')
     names = sorted(p.name.split('.')[0] for p in index.iterdir())
     assert names == ['chunks', 'embeddings', 'manifest']  # no leftovers
+    monkeypatch.chdir(tmp_path)  # no --index: it defaults under out/ (which git ignores, section 4)
+    assert run_main(capsys, 'retrieve', 'index', f'--ckpt={mixer}',
+                    f'--docs={data}/pairs_val.jsonl')[0] == 0
+    assert (tmp_path / 'out/index/manifest.json').is_file()
+    code, out, err = run_main(capsys, 'retrieve', 'search', '--query=sort the load', '--k=2')
+    assert code == 0 and out.startswith('1. '), err
 
 
 GOOD_MANIFEST = dict(ckpt='x.pt', fingerprint='ab12', embed_pos=-1, n_ctx=32, n_chunks=4,
@@ -1723,16 +1728,6 @@ def test_peer_by_name_fails_fast_without_the_hub(corpus, capsys, monkeypatch):
         monkeypatch.delitem(sys.modules, 'sentence_transformers')         # this machine's case
     refused(capsys, 'retrieve', argv, 'pip install sentence-transformers')
     assert 'optional' in run_main(capsys, 'retrieve', *argv)[2]
-
-
-def test_index_and_search_default_under_an_ignored_folder(corpus, capsys, tmp_path, monkeypatch):
-    """index and search need no --index: it defaults under out/ (which git ignores, section 4)."""
-    monkeypatch.chdir(tmp_path)
-    assert run_main(capsys, 'retrieve', 'index', f'--ckpt={corpus.mixer}',
-                    f'--docs={corpus.data}/pairs_val.jsonl')[0] == 0
-    assert (tmp_path / 'out/index/manifest.json').is_file()
-    code, out, err = run_main(capsys, 'retrieve', 'search', '--query=sort the load', '--k=2')
-    assert code == 0 and out.startswith('1. '), err
 
 
 # =============================================================================
@@ -2441,8 +2436,7 @@ def test_cuda_sdpa_kernels_match_explicit_attention(arch, kernel, amp, padding, 
 @cuda
 @pytest.mark.parametrize('variant', VARIANTS, ids=name)
 def test_cuda_window_equals_cache(variant, no_tf32):
-    """Section 2's decoding equivalence on the GPU (fp32): the same greedy tokens through a slide.
-    """
+    """Section 1's window == cache on the GPU (fp32): the same greedy tokens through a slide."""
     window_equals_cache(tiny_model(**variant).cuda(), prompt(5).cuda())
 
 
@@ -2720,8 +2714,7 @@ def write_pairs(path, pairs):
 
 
 def make_ckpt(path, data_dir, **kw):
-    """An untrained train.py-style checkpoint ('lm' kind) of a tiny model on data_dir's tokenizer.
-    """
+    """An untrained train.py checkpoint ('lm' kind) of a tiny model on data_dir's tokenizer."""
     meta = train.load_meta(str(data_dir))
     cfg = ModelConfig(**{**dict(n_ctx=32, d_model=32, n_layers=2), **kw,
                          'vocab_size': meta['vocab_size']})
