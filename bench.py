@@ -30,8 +30,9 @@ import torch
 from model import (ARCHS, Attention, Backbone, ELiTAAttention, ELiTAFeedForward, GatedMLP, MLP,
                    Mixing, ModelConfig, SwiGLU, TokenMixing, allowed, build_model, flops_per_token,
                    measure_peak_flops)
-from prepare import (Tokenizer, check_out_dir, check_output_file, int_list, parse_args, run_main,
-                     write_atomic)
+from configurator import (check_out_dir, check_output_file, int_list, parse_args, run_main,
+                          write_atomic)
+from prepare import Tokenizer
 from retrieve import PairBatches, TextEncoder, info_nce
 from sample import compiled_step, decode_layout
 from train import (CHOICES, DEFAULTS as TRAIN_DEFAULTS, autocast, choose_dtype,
@@ -92,9 +93,9 @@ def settings(argv, mode):
     """argv's settings for one mode: DEFAULTS, the mode's sizes (the paper's with --full), then argv
     itself; comma lists split, the device and dtype resolved."""
     defaults = dict(DEFAULTS, **MODE_DEFAULTS[mode])
-    s = parse_args(argv, defaults, BENCH_CHOICES, __doc__, positional='mode')
+    s = parse_args(argv, defaults, __doc__, BENCH_CHOICES, positional='mode')
     if s['full']:  # parsed again so that argv's own values still win over the paper's
-        s = parse_args(argv, dict(defaults, **FULL[mode]), BENCH_CHOICES, __doc__, 'mode')
+        s = parse_args(argv, dict(defaults, **FULL[mode]), __doc__, BENCH_CHOICES, 'mode')
     s['archs'] = s['archs'].split(',')
     for key, low in dict(n_layers=1, n_ctx=2, batch_size=1).items():
         s[key] = int_list(s[key], key, low)
@@ -374,13 +375,9 @@ def bench_retrieval(s):
     AdamW) on the same real pairs, once with every text left-padded to n_ctx and once trimmed
     (TextEncoder's trim: pad states shared by mixers, pad columns dropped by llama)."""
     data_dir = s.data_dir or 'data/pystdlib'
-    try:
-        tok = Tokenizer.from_meta(load_meta(data_dir), data_dir)
-        pairs = PairBatches(dict(data_dir=data_dir, batch_size=s.batch_size, negatives='inbatch',
-                                 seed=s.seed), tok, 0)
-    except FileNotFoundError as e:  # a file of the data dir; a ValueError already names its fix
-        raise ValueError(f"{e}: retrieval needs a data dir prepared with pairs (python prepare.py, "
-                         f"or prepare.py text --pairs=ict), or pass --data_dir") from None
+    tok = Tokenizer.from_meta(load_meta(data_dir), data_dir)
+    pairs = PairBatches(dict(data_dir=data_dir, batch_size=s.batch_size, negatives='inbatch',
+                             seed=s.seed), tok, 0)
     for cfg in grid(s):
         pairs.n_ctx = cfg.n_ctx
         # both paddings' batches, and the fraction of real tokens in them
@@ -711,7 +708,7 @@ def run(argv):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ['race']:  # its own keys: train.py's, per arch (see RACE_DOC)
         return race(argv)
-    args = parse_args(argv, DEFAULTS, BENCH_CHOICES, __doc__, 'mode', MODE_DEFAULTS)
+    args = parse_args(argv, DEFAULTS, __doc__, BENCH_CHOICES, 'mode', MODE_DEFAULTS)
     if args['mode'] == 'memory_cell':
         return memory_cell(settings(argv, 'memory'))
     modes = [m for m in MEASURE if m != 'retrieval'] if args['mode'] == 'all' else [args['mode']]
@@ -831,7 +828,7 @@ def race_settings(argv):
     """The race's settings, with each arch's train.py arguments (s.runs) checked: bad input fails
     here, before any work."""
     own, shared, per_arch, nce = race_split(argv)
-    s = SimpleNamespace(**parse_args(own, RACE_DEFAULTS, None, RACE_DOC, positional='mode'))
+    s = SimpleNamespace(**parse_args(own, RACE_DEFAULTS, RACE_DOC, positional='mode'))
     s.archs = [a.strip() for a in s.archs.split(',') if a.strip()]
     bad = [a for a in s.archs if a not in ARCHS]
     if bad or not s.archs:
@@ -858,7 +855,7 @@ def race_settings(argv):
         forced = dict(out_dir=os.path.join(s.out_dir, arch), max_time=s.max_time,
                       eval_seconds=s.eval_seconds, overwrite=True)  # out_dir checked below
         args = flags(base) + presets[i:i + 1] + shared + per_arch.get(arch, []) + flags(forced)
-        cfg = parse_args(args, TRAIN_DEFAULTS, CHOICES, RACE_DOC)
+        cfg = parse_args(args, TRAIN_DEFAULTS, RACE_DOC, CHOICES)
         if cfg['arch'] != arch:
             raise ValueError(f"the run named {arch} in --archs trains arch={cfg['arch']} (its "
                              f"preset or --{arch}.arch): list the presets in --archs order")

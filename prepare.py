@@ -12,8 +12,8 @@ when the dataset has pairs, and meta.json. Files are written under .tmp names an
 complete; meta.json goes last and holds a fingerprint of the inputs and options, so an unchanged
 rerun does nothing.
 """
-import ast, codecs, collections, difflib, glob, hashlib, io, json, math, multiprocessing, os
-import platform, re, shutil, socket, sys, sysconfig, textwrap, time
+import ast, codecs, collections, glob, hashlib, io, json, multiprocessing, os, platform, re
+import shutil, socket, sys, sysconfig, textwrap, time
 from itertools import chain, islice
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,210 +23,7 @@ import numpy as np
 import sentencepiece as spm
 from tqdm import tqdm
 
-# ------------------------------------------------------------------------ command lines and files
-# Every script's command line and file safety; it knows no script's keys (each checks its own).
-
-def parse_args(argv, defaults, choices=None, doc=None, positional=None, modes=None):
-    """nanoGPT's configurator: defaults, then presets (bare words) and --key=value in argv order,
-    each typed like its default. A leading bare word sets `positional` (a script's mode), whose own
-    defaults `modes[mode]` then apply. --help prints doc and every key with its comment."""
-    cfg, args = dict(defaults), list(sys.argv[1:] if argv is None else argv)
-    if positional and args and not args[0].startswith('-') and not args[0].endswith('.py'):
-        defaults = dict(defaults, **(modes or {}).get(args[0], {}))
-        cfg = dict(defaults, **{positional: args.pop(0)})
-    while args:
-        arg = args.pop(0)
-        if arg in ('-h', '--help'):
-            script = sys._getframe(1).f_globals.get('__file__') or __file__  # (the caller's file)
-            print(doc or sys.modules['__main__'].__doc__, help_text(defaults, script), sep='\n')
-            raise SystemExit(0)
-        if not arg.startswith('--'):
-            cfg.update({k: typed(k, v, defaults, arg) for k, v in read_preset(arg, cfg).items()})
-            continue
-        key, eq, value = arg[2:].partition('=')
-        key = key.replace('-', '_')
-        if not eq:  # --key value, or a bare --flag for booleans
-            given = bool(args) and not args[0].startswith('--')
-            if not given and not isinstance(defaults.get(key), bool):
-                raise ValueError(f"--{key} needs a value: write --{key}=VALUE")
-            value = args.pop(0) if given else 'true'
-        cfg[key] = typed(key, value, defaults, 'the command line')
-    for key, allowed in (choices or {}).items():
-        if cfg[key] not in allowed:
-            raise ValueError(f"--{key}={cfg[key]!r} is invalid: use one of {', '.join(allowed)}")
-    return cfg
-
-
-def help_text(defaults, script):
-    """`--key=default  comment` per key, the comment beside `key=value` (or `key: type = value`)
-    in script's source, else in those of the modules it imports from this folder; a line whose
-    value is this default first (a mode's sizes over another mode's)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    files = [os.path.abspath(script)] + [os.path.join(here, f'{m}.py') for m in re.findall(
-        r'^(?:from|import) (\w+)', Path(script).read_text(encoding='utf-8'), re.M)]
-    notes = collections.defaultdict(list)  # key: [[its value's text, comment], ...] in files' order
-    for path in filter(os.path.isfile, files):
-        keys = []
-        for line in Path(path).read_text(encoding='utf-8').splitlines():
-            code, _, note = line.partition('# ')
-            code = re.sub(r'(\w+)\s*:\s*\w+\s*=\s*', r'\1=', code).replace(' ', '')
-            if code:
-                pairs = re.findall(r'(?:^|[(,])(\w+)=(?!=)(.+?)(?=,\w+=|[,)]*$)', code)
-                for key, text in pairs:
-                    notes[key].append([text, note.strip()])
-                keys = [key for key, _ in pairs] if note else []
-            elif note and keys:  # the comment goes on on the next line
-                for key in keys:
-                    notes[key][-1][1] += ' ' + note.strip()
-            else:
-                keys = []
-    lines = ['keys and defaults:']
-    for key, value in defaults.items():
-        found = [n for t, n in notes.get(key, []) if same(t, value)] + [n for _, n in notes[key]]
-        lines.append(f'  --{key}={value!r}'.ljust(30) + '  ' + (found or [''])[0])
-    return '\n'.join(line.rstrip() for line in lines)
-
-
-def same(text, value):
-    """Whether a default's source text (5e-4, 'out') spells this value."""
-    try:
-        return text == repr(value) or float(text) == value
-    except ValueError:
-        return False
-
-
-def int_list(text, key, low=1):
-    """--key=32,64,128 -> [32, 64, 128], each >= low."""
-    try:
-        values = [int(v) for v in str(text).split(',') if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < low:
-        raise ValueError(f"--{key}={text!r}: give comma-separated integers >= {low}")
-    return values
-
-
-def read_preset(path, cfg):
-    """A preset's `key = value` lines as a dict; values may use earlier keys (n_ctx * 2)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no preset file {path}: see config/ for the presets")
-    try:
-        tree = ast.parse(read_text_file(path, 'preset'), path)
-    except SyntaxError as e:
-        raise ValueError(f"{path}:{e.lineno}: {e.msg}") from None
-    scope, out = dict(cfg), {}
-    for node in tree.body:
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            continue  # docstring
-        target = node.targets[0] if isinstance(node, ast.Assign) else None
-        if len(getattr(node, 'targets', ())) != 1 or not isinstance(target, ast.Name):
-            raise ValueError(f"{path}:{node.lineno}: presets hold only `key = value` lines")
-        try:
-            expr = compile(ast.Expression(node.value), path, 'eval')
-            value = eval(expr, {'__builtins__': {}}, scope)
-        except Exception as e:
-            raise ValueError(f"{path}:{node.lineno}: {type(e).__name__}: {e}") from None
-        scope[target.id] = out[target.id] = value
-    return out
-
-
-def typed(key, value, defaults, source):
-    """value (a str from the command line, a Python value from a preset) as the default's type."""
-    if key not in defaults:
-        close = difflib.get_close_matches(key, defaults, n=3)
-        hint = f"did you mean {', '.join('--' + c for c in close)}?" if close else "see --help"
-        raise ValueError(f"unknown key --{key} in {source}: {hint}")
-    if defaults[key] is None and (value is None or str(value).lower() in ('auto', 'none')):
-        return None  # a None default is an optional bool: auto (None) lets the script choose
-    kind = bool if defaults[key] is None else type(defaults[key])
-    if isinstance(value, str) and kind is not str:
-        words = {'true': True, '1': True, 'yes': True, 'false': False, '0': False, 'no': False}
-        try:
-            value = words[value.lower()] if kind is bool else kind(value)
-        except (KeyError, ValueError):
-            hint = "true, false, auto" if defaults[key] is None else f"default {defaults[key]!r}"
-            raise ValueError(f"--{key}={value!r} is not a valid {kind.__name__} ({hint})") from None
-    if kind is float and type(value) in (int, float):
-        value = float(value)
-        if not math.isfinite(value):
-            raise ValueError(f"--{key}={value!r} in {source} is not a finite number")
-    if type(value) is not kind:
-        raise ValueError(f"{key}={value!r} in {source} should be a {kind.__name__} "
-                         f"like {defaults[key]!r}")
-    if kind is int and not -2 ** 63 <= value < 2 ** 63:  # torch and numpy take 64-bit integers
-        raise ValueError(f"--{key}={value} in {source} is out of range: it must lie within ±2**63")
-    return value
-
-
-def read_text_file(path, what):
-    """A UTF-8 text file's contents; a missing or non-UTF-8 file is a one-line error naming it."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{what} {path} not found")
-    data = Path(path).read_bytes()
-    try:
-        return data.decode('utf-8')
-    except UnicodeDecodeError as e:
-        byte = f"byte {e.start} is {data[e.start]:#04x}"
-        raise ValueError(f"{what} {path} is not UTF-8 text ({byte}): save it as UTF-8, "
-                         f"e.g. iconv -f latin1 -t utf-8") from None
-
-
-def write_atomic(path, data):
-    """str, bytes or what data(f) writes, to a temp file renamed into place: a crash leaves the
-    old file whole."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, 'wb') as f:
-            if callable(data):
-                data(f)
-            else:
-                f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def check_out_dir(out_dir, flag='out_dir'):
-    """Fail before any work if out_dir cannot be created or written."""
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        open(probe := os.path.join(out_dir, f'.write_test{os.getpid()}'), 'w').close()
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"cannot write to {flag} {out_dir} ({e.strerror or e}): "
-                         f"pass a writable --{flag}") from None
-
-
-def check_output_file(path, flag):
-    """Fail before the work that fills an output file, not after it, if it cannot be written."""
-    if os.path.isdir(path):
-        raise ValueError(f"--{flag}={path} is a folder: name a file")
-    probe = f"{path}.tmp{os.getpid()}"
-    try:
-        open(probe, 'w').close()
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"cannot write --{flag}={path} ({e.strerror or e}): "
-                         f"name a file in a writable folder") from None
-
-
-def run_main(body, interrupted='interrupted'):
-    """Every script's main(): bad input prints one `error: ...` line and returns 2, Ctrl-C returns
-    130 with `interrupted` (what survives and how to go on), --help returns 0."""
-    try:
-        return body() or 0
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except SystemExit as e:  # --help
-        return e.code or 0
-    except KeyboardInterrupt:
-        print(interrupted, file=sys.stderr)
-        return 130
-
+from configurator import check_out_dir, parse_args, run_main, write_atomic
 
 # ----------------------------------------------------------------------------- corpora
 
@@ -285,7 +82,7 @@ class Tokenizer:
         else:
             path = os.path.join(data_dir, spec['path'])
             if not os.path.isfile(path):
-                raise FileNotFoundError(f'tokenizer model {path} not found')
+                raise ValueError(f'tokenizer model {path} not found')
             self.enc, self.sp = None, spm.SentencePieceProcessor(model_file=path)
             self.vocab_size = self.sp.get_piece_size()
             self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
@@ -305,7 +102,7 @@ class Tokenizer:
     def from_dir(cls, data_dir):
         path = os.path.join(data_dir, 'meta.json')
         if not os.path.isfile(path):
-            raise FileNotFoundError(f'{path} not found: prepare the data first (python prepare.py)')
+            raise ValueError(f'{path} not found: prepare the data first (python prepare.py)')
         return cls.from_meta(json.loads(Path(path).read_text()), data_dir)
 
     def encode(self, text, bos=False, eos=False):
@@ -840,7 +637,7 @@ def prepare_args(argv):
     """prepare.py's settings as a namespace; every rule that spans two keys is checked here."""
     doc = __doc__ + 'datasets:\n' + '\n'.join(f'  {name:<22}{about}'
                                               for name, (about, *_) in DATASETS.items())
-    cfg = parse_args(argv, DEFAULTS, dict(dataset=tuple(DATASETS)), doc, positional='dataset')
+    cfg = parse_args(argv, DEFAULTS, doc, dict(dataset=tuple(DATASETS)), positional='dataset')
     args = SimpleNamespace(**cfg)
     args.input = [s for s in args.input.split(',') if s]
     if (args.dataset == 'text') != bool(args.input):
@@ -867,7 +664,7 @@ def main(argv=None):
         args = prepare_args(argv)
         try:
             prepare(args)
-        except (ValueError, FileNotFoundError):  # bad input found mid-way: leave no .tmp files
+        except ValueError:  # bad input found mid-way: leave no .tmp files
             remove_tmp(args.out_dir)
             raise
     return run_main(body, 'interrupted: nothing was replaced; run the same command again')

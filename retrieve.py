@@ -30,8 +30,9 @@ import torch.nn.functional as F
 
 import train
 from model import RetrievalMixer
-from prepare import (Tokenizer, check_online, check_out_dir, check_output_file, int_list,
-                     parse_args, read_text_file, run_main, visible_files, write_atomic)
+from configurator import (check_out_dir, check_output_file, int_list, parse_args, read_text_file,
+                          run_main, write_atomic)
+from prepare import Tokenizer, check_online, visible_files
 
 TAU = 0.02             # InfoNCE temperature (eq. 8)
 PAPER_N = 32           # --negatives=paper: a query, its target and 30 non-matching ones (§6.3)
@@ -591,7 +592,7 @@ def collect_documents(paths):
                     raise ValueError(f"{path}:{lineno}: no string field 'text' (or 'target')")
                 docs.append((f"{path}:{lineno}", text))
         elif not os.path.isfile(path):
-            raise FileNotFoundError(f"no such file or folder: {path}")
+            raise ValueError(f"no such file or folder: {path}")
         elif (text := read_text(path)) is None:
             raise ValueError(f"{path} is not a UTF-8 text file")
         else:
@@ -655,7 +656,7 @@ def open_index(index):
     culprit = os.path.join(index, 'manifest.json')
     build = f"python retrieve.py index --ckpt=CKPT --docs=PATH --index={index}"
     if not os.path.isfile(culprit):
-        raise FileNotFoundError(f"no index at {index}: build one with {build}")
+        raise ValueError(f"no index at {index}: build one with {build}")
     try:   # the manifest's JSON and fields, then a data file deleted or cut short
         manifest = json.loads(read_text_file(culprit, 'index manifest'))
         if not isinstance(manifest, dict):
@@ -715,8 +716,8 @@ def run(argv):
     if argv[0] not in COMMANDS:
         raise ValueError(f"unknown subcommand {argv[0]!r}: use one of {', '.join(COMMANDS)}")
     command, defaults, required = COMMANDS[argv[0]]
-    cfg = parse_args(argv[1:], defaults, {k: v for k, v in CHOICES.items() if k in defaults},
-                     __doc__)
+    cfg = parse_args(argv[1:], defaults, __doc__,
+                     {k: v for k, v in CHOICES.items() if k in defaults})
     for key, low in dict(batch_size=1, k=1, show=0, seed=0, n_layers=1).items():  # this command's
         if key in cfg and cfg[key] < low:
             raise ValueError(f"--{key}={cfg[key]} is out of range: use a value >= {low}")

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import torch
 
 import prepare
+from configurator import parse_args, read_text_file, run_main
 from train import CHOICES, load_checkpoint, model_from_checkpoint, reading_dtype, resolve_device
 
 DEFAULTS = dict(
@@ -38,9 +39,9 @@ DEFAULTS = dict(
 )
 
 
-def parse_args(argv):
+def sample_args(argv):
     choices = dict(method=('cache', 'window'), dtype=CHOICES['dtype'])
-    args = SimpleNamespace(**prepare.parse_args(argv, DEFAULTS, choices, __doc__))
+    args = SimpleNamespace(**parse_args(argv, DEFAULTS, __doc__, choices))
     if args.ckpt and args.out_dir != DEFAULTS['out_dir']:
         raise ValueError('give --out_dir or --ckpt, not both')
     if not (args.temperature == 0 or args.temperature >= 1e-3):  # (parse_args refuses nan and inf)
@@ -69,7 +70,7 @@ def load(path, device, requested='auto'):
                          f"models (clm, mtp2), n_ctx >= 2, generate text")
     try:
         tok = prepare.Tokenizer.from_meta(ckpt['data']['meta'], ckpt['data']['data_dir'])
-    except FileNotFoundError as e:
+    except ValueError as e:
         raise ValueError(f"{e}: {path} reads its tokenizer from the data_dir it was trained on; "
                          f"prepare that data again there") from None
     if requested == 'auto' and device.type == 'cpu':  # one dtype for both methods: same text
@@ -157,14 +158,14 @@ def write_samples(model, tok, ids, args, generator, step=None):
 
 
 def sample(argv):
-    args = parse_args(argv)
+    args = sample_args(argv)
     device = resolve_device(args.device)
     best = os.path.join(args.out_dir, 'best.pt')  # the lowest val loss
     path = args.ckpt or (best if os.path.isfile(best) else os.path.join(args.out_dir, 'ckpt.pt'))
     model, tok, why = load(path, device, args.dtype)
     prompt = args.prompt
     if prompt.startswith('FILE:'):
-        prompt = prepare.read_text_file(prompt[len('FILE:'):], '--prompt=FILE: file')
+        prompt = read_text_file(prompt[len('FILE:'):], '--prompt=FILE: file')
     ids, keep = tok.encode(prompt, bos=True), model.cfg.n_ctx - 1  # room for a new token
     if len(ids) > keep:
         print(f'warning: the prompt has {len(ids)} tokens; keeping its last {keep} (the window '
@@ -194,7 +195,7 @@ def sample(argv):
 
 
 def main(argv=None):
-    return prepare.run_main(lambda: sample(argv), '')  # Ctrl-C: what was printed stays
+    return run_main(lambda: sample(argv), '')  # Ctrl-C: what was printed stays
 
 
 if __name__ == '__main__':

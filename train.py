@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import ModelConfig, build_model, flops_per_token, measure_peak_flops, objective_targets
-from prepare import DATASETS, SPLITS, check_out_dir, parse_args, run_main, write_atomic
+from configurator import check_out_dir, parse_args, run_main, write_atomic
+from prepare import DATASETS, SPLITS
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -495,7 +496,7 @@ OLD_LAYOUT = 'be76ede'  # the last commit whose blocks were lists of sublayers
 
 
 def save_checkpoint(obj, path):
-    """Atomic (prepare.write_atomic): a crash never leaves a half-written checkpoint."""
+    """Atomic (configurator.write_atomic): a crash never leaves a half-written checkpoint."""
     write_atomic(path, lambda f: torch.save(obj, f))
 
 
@@ -688,7 +689,7 @@ def main(argv=None):
 
 
 def train_lm(argv):
-    cfg = parse_args(argv, DEFAULTS, CHOICES, __doc__)
+    cfg = parse_args(argv, DEFAULTS, __doc__, CHOICES)
     if not (sys.argv[1:] if argv is None else argv) and resolve_device('auto').type == 'cpu':
         raise ValueError("the defaults are sized for a GPU (a 23M-parameter model, 5000 steps: "
                          "hours on a CPU): run python train.py config/demo.py (minutes), or give "

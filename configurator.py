@@ -1,0 +1,190 @@
+"""
+The command line of every script, as nanoGPT's configurator.py: defaults, then presets (bare
+words, files of `key = value` lines) and --key=value flags in the order given, each typed like its
+default. Also what every script does at its boundaries: one `error:` line and status 2 for bad
+input, files written whole or not at all.
+"""
+import ast, contextlib, difflib, os, sys
+from pathlib import Path
+
+
+def parse_args(argv, defaults, doc, choices=None, positional=None, modes=None):
+    """argv -> {key: value}. A leading bare word sets the key `positional` (bench.py MODE, prepare.py
+    DATASET, retrieve.py COMMAND) and brings its own defaults, modes[word]. --help prints doc and
+    every key with the comment beside it where its default is defined."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if positional and args and not args[0].startswith('-') and not args[0].endswith('.py'):
+        defaults = {**defaults, **(modes or {}).get(args[0], {}), positional: args.pop(0)}
+    cfg = dict(defaults)
+    while args:
+        arg = args.pop(0)
+        if arg in ('-h', '--help'):
+            print(doc, help_text(defaults, sys._getframe(1).f_globals['__file__']), sep='\n')
+            raise SystemExit(0)
+        if not arg.startswith('--'):
+            cfg.update({k: typed(k, v, defaults) for k, v in read_preset(arg, cfg).items()})
+            continue
+        key, eq, value = arg[2:].partition('=')
+        key = key.replace('-', '_')
+        if not eq:  # --key value, or a bare --flag for a boolean
+            flag = isinstance(defaults.get(key), bool) and not (args and args[0] in BOOLS)
+            assert flag or args, f"--{key} needs a value: write --{key}=VALUE"
+            value = 'true' if flag else args.pop(0)
+        cfg[key] = typed(key, value, defaults)
+    for key, allowed in (choices or {}).items():
+        if cfg.get(key) not in allowed:
+            raise ValueError(f"--{key}={cfg.get(key)!r} is not one of {', '.join(allowed)}")
+    return cfg
+
+
+BOOLS = {'true': True, '1': True, 'yes': True, 'false': False, '0': False, 'no': False}
+
+
+def typed(key, value, defaults):
+    """value (a flag's text or a preset's Python value) as the type of the key's default; a None
+    default is an optional boolean, and auto (None) lets the script choose."""
+    if key not in defaults:
+        close = ', '.join('--' + c for c in difflib.get_close_matches(key, defaults, n=3))
+        raise ValueError(f"unknown key --{key}: " + (f"did you mean {close}?" if close else
+                                                     "see --help"))
+    default = defaults[key]
+    if default is None and str(value).lower() in ('auto', 'none'):
+        return None
+    kind = bool if default is None else type(default)
+    if kind is float and type(value) is int:
+        value = float(value)
+    elif isinstance(value, str) and kind is not str:
+        with contextlib.suppress(KeyError, ValueError):  # left a str: refused below
+            value = BOOLS[value.lower()] if kind is bool else kind(value)
+    if type(value) is not kind:
+        like = 'true, false or auto' if default is None else repr(default)
+        raise ValueError(f"--{key}={value!r} is not a {kind.__name__} like {like}")
+    return value
+
+
+def read_preset(path, cfg):
+    """A preset's `key = value` lines as a dict; a value may use earlier keys (n_ctx * 2)."""
+    try:
+        tree = ast.parse(read_text_file(path, 'preset file (see config/)'), path)
+    except SyntaxError as e:
+        raise ValueError(f"{path}:{e.lineno}: {e.msg}") from None
+    scope, out = dict(cfg), {}
+    for node in tree.body:
+        if isinstance(node, ast.Expr):
+            continue  # the docstring
+        if not (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)):
+            raise ValueError(f"{path}:{node.lineno}: a preset holds only `key = value` lines")
+        try:
+            value = eval(compile(ast.Expression(node.value), path, 'eval'), {}, scope)
+        except Exception as e:
+            raise ValueError(f"{path}:{node.lineno}: {type(e).__name__}: {e}") from None
+        scope[node.targets[0].id] = out[node.targets[0].id] = value
+    return out
+
+
+def help_text(defaults, script):
+    """A line per key: --key=default and the comment beside its definition, a `dict(...)` keyword
+    or a dataclass field in the script, train.py or model.py; one whose value is this default
+    first (a mode's own sizes)."""
+    here, notes = os.path.dirname(os.path.abspath(__file__)), {}
+    for path in (script, os.path.join(here, 'train.py'), os.path.join(here, 'model.py')):
+        lines = Path(path).read_text(encoding='utf-8').splitlines()
+        for node in ast.walk(ast.parse('\n'.join(lines))):
+            if isinstance(node, ast.Call) and getattr(node.func, 'id', '') == 'dict':
+                pairs = [(k.arg, k.value) for k in node.keywords if k.arg]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                pairs = [(node.target.id, node.value or node)]
+            else:
+                continue
+            for key, value in pairs:
+                end = value.end_lineno
+                note = lines[end - 1].partition('  # ')[2]
+                while note and end < len(lines) and lines[end].lstrip().startswith('# '):
+                    note, end = note + ' ' + lines[end].lstrip()[2:], end + 1  # continued
+                with contextlib.suppress(ValueError, TypeError, SyntaxError):
+                    value = ast.literal_eval(value)
+                if note:
+                    notes.setdefault(key, []).append((value, note))
+    keys = [f"  --{key}={value!r}".ljust(30) + '  ' + next(
+        (n for v, n in notes.get(key, []) if v == value), notes.get(key, [(0, '')])[0][1])
+        for key, value in defaults.items()]
+    return '\n'.join(['keys and defaults:'] + [line.rstrip() for line in keys])
+
+
+def int_list(text, key, low=1):
+    """--key=32,64,128 -> [32, 64, 128], each >= low."""
+    try:
+        values = [int(v) for v in str(text).split(',')]
+    except ValueError:
+        values = []
+    if not values or min(values) < low:
+        raise ValueError(f"--{key}={text!r}: give comma-separated integers >= {low}")
+    return values
+
+
+def read_text_file(path, what):
+    """A UTF-8 text file's contents; missing or not UTF-8: a one-line error naming it."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{what} {path} not found")
+    try:
+        return Path(path).read_text(encoding='utf-8')
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {path} is not UTF-8 text (byte {e.start}): save it as UTF-8, "
+                         f"e.g. iconv -f latin1 -t utf-8") from None
+
+
+def write_atomic(path, data):
+    """str, bytes or what data(f) writes, into a temp file renamed into place: a crash or a full
+    disk leaves the old file whole, and a failed write is one line naming the file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, 'wb') as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save wraps the OSError in a RuntimeError
+        cause = e if isinstance(e, OSError) else e.__context__
+        if not isinstance(cause, OSError):
+            raise
+        raise ValueError(f"cannot write {path} ({cause.strerror or cause}): the old file is "
+                         f"kept; free some space or pass another location") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def check_out_dir(out_dir, flag='out_dir'):
+    """Fail before any work if the folder cannot be created or written."""
+    probe = os.path.join(out_dir, f'.write_test{os.getpid()}')
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        open(probe, 'w').close()
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"cannot write to --{flag}={out_dir} ({e.strerror or e}): pass a "
+                         f"writable folder") from None
+
+
+def check_output_file(path, flag):
+    """Fail before the work that fills an output file if it cannot be written."""
+    if os.path.isdir(path):
+        raise ValueError(f"--{flag}={path} is a folder: name a file")
+    check_out_dir(os.path.dirname(path) or '.', flag)
+
+
+def run_main(body, interrupted='interrupted'):
+    """Every script's main(): bad input prints one `error: ...` line (once under torchrun: every
+    rank refuses alike, rank 0 says so) and returns 2; Ctrl-C returns 130 saying what survives."""
+    try:
+        return body() or 0
+    except (ValueError, AssertionError) as e:
+        if os.environ.get('RANK', '0') == '0':
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(interrupted, file=sys.stderr)
+        return 130

@@ -1,0 +1,268 @@
+"""The command line and the boundaries: presets and flags, --help, and the refusal table: every
+mistake users make exits with status 2 and one `error:` line naming the culprit, no traceback,
+every file left as it was."""
+import io, os, re, subprocess, sys
+
+import pytest
+import torch
+
+import configurator, prepare, train
+from tests.conftest import HERE, BENCH_TINY, TINY, ENV, run_main, refused, make_ckpt
+
+
+def test_parse_args_presets_and_overrides(tmp_path):
+    """A preset is Python (later lines read earlier ones); --key=value overrides it, typed as the
+    default."""
+    preset = tmp_path / 'p.py'
+    preset.write_text('"""doc"""\nn_ctx = 128  # comment\nbatch_size = 65536 // n_ctx\n'
+                      'lr = 1\ncompile = True\n')
+    cfg = configurator.parse_args([str(preset), '--lr=3e-4', '--compile=false', '--d_model=64'],
+                                  train.DEFAULTS, '')
+    assert (cfg['n_ctx'], cfg['batch_size'], cfg['lr'], cfg['compile'],
+            cfg['d_model']) == (128, 512, 3e-4, False, 64)
+    assert type(configurator.parse_args([str(preset)], train.DEFAULTS, '')['lr']) is float
+    # a typo is answered with the key meant
+    with pytest.raises(ValueError, match='--batch_size'):
+        configurator.parse_args(['--batchsize=3'], train.DEFAULTS, '')
+    with pytest.raises(ValueError, match='n_ctx'):
+        configurator.parse_args(['--n_ctx=big'], train.DEFAULTS, '')
+    with pytest.raises(ValueError, match='schedule'):
+        configurator.parse_args(['--schedule=step'], train.DEFAULTS, '', train.CHOICES)
+    share = [configurator.parse_args([f'--share_ffn={v}'], train.DEFAULTS, '')['share_ffn']
+             for v in ('0', 'auto')]
+    assert share == [False, None] and train.DEFAULTS['share_ffn'] is None  # None: as ModelConfig
+    with pytest.raises(ValueError, match='true, false or auto'):
+        configurator.parse_args(['--share_ffn=maybe'], train.DEFAULTS, '')
+    preset.write_text('n_ctx = undefined_name * 2\n')
+    with pytest.raises(ValueError, match=r'p.py:1'):
+        configurator.parse_args([str(preset)], train.DEFAULTS, '')
+
+
+def help_line(out, key):
+    """The --help line of one key: `--key=default  its comment`."""
+    return next(line.strip() for line in out.splitlines() if line.strip().startswith(f'--{key}='))
+
+
+def test_help_shows_each_keys_comment_from_the_source(capsys):
+    code, out, _ = run_main(capsys, 'train', '--help')
+    assert code == 0
+    assert 'context window' in help_line(out, 'n_ctx')                   # ModelConfig's comment
+    assert 'sequences per micro-batch' in help_line(out, 'batch_size')   # LOOP_DEFAULTS' comment
+    assert 'packed: random windows' in help_line(out, 'batch_mode')      # DEFAULTS' own
+    code, out, _ = run_main(capsys, 'sample', '-h')
+    assert code == 0 and 'nucleus sampling' in help_line(out, 'top_p')
+
+
+def test_help_shows_the_modes_own_defaults(capsys):
+    """bench.py memory --help lists memory's sizes, not throughput's; retrieve's commands
+    their own."""
+    code, out, _ = run_main(capsys, 'bench', 'memory', '--help')
+    assert code == 0 and help_line(out, 'd_model').split()[0] == '--d_model=1024'
+    assert help_line(out, 'n_ctx').split()[0] == "--n_ctx='512,1024,2048'"
+    assert 'tokens of the prompt' in help_line(out, 'prompt')           # a line holding two keys
+    _, out, _ = run_main(capsys, 'bench', 'throughput', '--help')
+    assert help_line(out, 'd_model').split()[0] == '--d_model=256'
+    _, out, _ = run_main(capsys, 'retrieve', 'indirect', '--help')
+    assert help_line(out, 'batch_size').startswith('--batch_size=64') and 'retrieval inputs' in out
+    _, out, _ = run_main(capsys, 'retrieve', 'eval', '--help')
+    assert 'texts per forward pass' in help_line(out, 'batch_size')
+
+
+def test_the_command_line_layer_knows_no_scripts_ranges():
+    """parse_args types values; ranges are each script's (a key of one script means nothing to
+    another)."""
+    assert configurator.parse_args(['--batch_size=0', '--lr=-1'], dict(batch_size=4, lr=0.1),
+                                   '') == dict(batch_size=0, lr=-1.0)
+
+
+TRAIN = ['--data_dir={data}', '--out_dir={tmp}/out', *TINY]
+
+
+SAMPLE = ['--out_dir={trained}']
+
+
+EVAL = ['eval', '--ckpt={mixer}', '--pairs={pairs}/pairs_val.jsonl']
+
+
+OUT = '--out_dir={tmp}/out'
+
+
+RESUME = ['--data_dir={data}', '--out_dir={trained}', *TINY, '--init_from=resume']
+
+
+# (script, argv, culprit). Placeholders: {tmp} (the files of scratch() below), {data} (train's
+# data),
+# {trained} (a finished run), {mixer} and {ae} (retrieve's checkpoints), {pairs} (retrieve's data)
+REFUSALS = [
+    # an unknown key, a value of the wrong type, out of range or not among the choices
+    # a typo is answered with the key meant
+    ('train', ['--max_iter=3'], '--max_iters'),
+    *[('train', [*TRAIN, f'--{k}={v}'], k) for k, v in [
+        ('max_iters', -1), ('eval_interval', 0), ('log_interval', 0), ('grad_accum', 0),
+        ('eval_iters', 0), ('batch_size', 0), ('lr', 'nan'), ('min_lr', 1), ('n_ctx', 1),
+        ('seed', -1)]],
+    ('train', [*TRAIN, '--device=gpu0'], 'gpu0'),
+    ('train', [*TRAIN, '--dtype=float16', '--device=cpu'], 'float16'),
+    *[('sample', [*SAMPLE, f'--{k}={v}'], k) for k, v in [
+        ('temperature', -1), ('temperature', 'nan'), ('temperature', 1e-45), ('top_k', 0),
+        ('top_p', 0), ('top_p', 1.5), ('num_samples', 0)]],
+    *[('sample', [*SAMPLE, arg], arg.split('=')[1])
+      for arg in ['--method=beam', '--dtype=int8', '--device=tpu9']],
+    ('sample', [*SAMPLE, '--bogus=1'], 'bogus'), ('prepare', ['wikipedia', OUT], 'wikipedia'),
+    ('prepare', ['pystdlib', '--max_docs=zero', OUT], 'max_docs'),
+    ('prepare', ['pystdlib', '--bogus=1', OUT], 'bogus'),
+    ('prepare', ['pystdlib', '--tokenizer=p50k_nope', OUT], 'p50k_nope'),
+    ('prepare', ['tinystories', '--pairs=docstring', OUT], 'docstring'),
+    ('prepare', ['text', '--input={tmp}/latin1.txt', '--vocab_size=1', OUT], 'vocab_size'),
+    # < its 94 characters
+    ('prepare', ['text', '--input={tmp}/ascii.txt', '--vocab_size=262', OUT], 'vocab_size'),
+    ('retrieve', ['frobnicate'], 'frobnicate'), ('retrieve', [*EVAL, '--n=1x'], '1x'),
+    ('retrieve', [*EVAL, '--n=2,32'], '2,32'),
+    ('retrieve', ['eval', '--ckpt={tmp}/x.pt', '--pairs={tmp}/y.jsonl', '--batch_size=0'],
+     'batch_size'),
+    ('retrieve', ['indirect', '--ckpt={mixer}', '--data_dir={pairs}', '--c=2'], 'c='),
+    ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--negatives=hard'],
+     'hard'),
+    ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--batch_sise=4'],
+     'batch_sise'),
+    ('retrieve', ['train', '--init_from={tmp}/x.pt', '--warmup_iters=-2'], 'warmup_iters'),
+    ('bench', ['sideways'], 'sideways'), ('bench', ['throughput', '--n_ctx=abc'], 'n_ctx'),
+    ('bench', ['throughput', '--batch_size=1,16'], 'batch_size'),  # a list only in generate
+    ('bench', ['throughput', '--archs=rnn'], 'rnn'),
+    ('bench', ['throughput', *BENCH_TINY, '--repeats=0'], 'repeats'),
+    ('bench', ['generate', *BENCH_TINY, '--new_tokens=0'], 'new_tokens'),
+    ('bench', ['generate', *BENCH_TINY, '--prompt=2', '--new_tokens=2', '--methods=beam'], 'beam'),
+    ('bench', ['generate', *BENCH_TINY, '--prompt=12', '--new_tokens=8'], 'n_ctx'),
+    ('bench', ['represent', *BENCH_TINY, '--layer=last'], 'layer'),
+    ('bench', ['represent', '--ckpt={trained}/ckpt.pt', '--layer=3'], 'layer'),
+    # each script's own ranges (the command-line layer knows none, section 7)
+    *[('train', ['--data_dir=/nonexistent', arg], arg.split('=')[0]) for arg in [
+        '--warmup_iters=-1', '--max_time=-1', '--weight_decay=-0.1', '--grad_clip=-1', '--lr=0']],
+    ('sample', ['--seed=-1'], 'seed'),
+    ('prepare', ['pystdlib', '--max_docs=-1'], 'max_docs'),
+    ('prepare', ['pystdlib', '--max_tokens=-5'], 'max_tokens'),
+    *[('bench', ['represent', arg], arg.split('=')[0]) for arg in [
+        '--warmup=-1', '--mem_limit=-1', '--prompt=0', '--steps=0', '--seed=-1', '--lr=0',
+        '--n_layers=0']],
+    ('retrieve', ['search', '--index=x', '--k=0'], 'k'),
+    ('retrieve', ['search', '--index=x', '--show=-1'], 'show'),
+    ('retrieve', ['eval', '--ckpt=x', '--pairs=y', '--seed=-1'], 'seed'),
+    ('retrieve', ['indirect', '--ckpt=x', '--n_layers=0'], 'n_layers'),
+    ('retrieve', ['train', '--init_from=x', '--eval_iters=0'], 'eval_iters'),
+    # a required flag missing, or two that exclude each other
+    ('prepare', ['text', OUT], 'input'), ('retrieve', [*EVAL[:2]], 'pairs'),
+    ('retrieve', ['eval', '--pairs={pairs}/pairs_val.jsonl'], 'ckpt'),
+    ('retrieve', ['train', '--data_dir={pairs}'], 'init_from'),
+    ('sample', [*SAMPLE, '--ckpt={trained}/ckpt.pt'], 'ckpt'),
+    # input files: missing, empty, unreadable, or not what they should be
+    ('train', ['--data_dir={tmp}/nope', OUT], '{tmp}/nope'),
+    ('train', ['--data_dir={data}', '--out_dir={tmp}/none', '--init_from=resume'], '{tmp}/none'),
+    ('train', ['{tmp}/notpreset.py'], 'notpreset.py'),  # a preset holds assignments only
+    ('train', ['--out_dir={trained}', '{tmp}/latin1.txt'], 'latin1.txt'),
+    ('sample', ['--out_dir={tmp}/none'], '{tmp}/none'),
+            ('sample', ['--ckpt={tmp}/cut/ckpt.pt'], '{tmp}/cut/ckpt.pt'),
+    ('sample', ['--ckpt={tmp}/retrieval.pt'], 'retrieval'),
+            ('sample', ['--ckpt={ae}'], 'autoencoder'),
+    ('sample', ['--ckpt={tmp}/n1.pt'], 'n_ctx=1'),
+    ('sample', [*SAMPLE, '--prompt=FILE:/nonexistent/p.txt'], '/nonexistent/p.txt'),
+    ('sample', [*SAMPLE, '--prompt=FILE:{tmp}/latin1.txt'], 'latin1.txt'),
+    ('prepare', ['text', '--input=does/not/exist', OUT], 'does/not/exist'),
+    ('prepare', ['text', '--input={tmp}/empty', OUT], '{tmp}/empty'),
+    ('prepare', ['text', '--input={tmp}/blank.txt', OUT], 'empty'),
+    ('prepare', ['pystdlib', '--tokenizer=missing.model', OUT], 'missing.model'),
+    ('prepare', ['pystdlib', '--tokenizer={tmp}/blank.txt', OUT], 'blank.txt'),
+    ('retrieve', ['eval', '--ckpt={mixer}', '--pairs={tmp}/bad.jsonl'], 'bad.jsonl:3'),
+    ('retrieve', ['eval', '--ckpt={mixer}', '--pairs={tmp}/latin1.jsonl'], 'latin1.jsonl'),
+    ('retrieve', ['eval', '--ckpt={tmp}/none.pt', '--pairs={pairs}/pairs_val.jsonl'], 'none.pt'),
+    ('retrieve', ['eval', '--ckpt={tmp}/indirect.pt', '--pairs={pairs}/pairs_val.jsonl'],
+     'indirect'),
+    ('retrieve', ['index', '--ckpt={mixer}', '--docs={tmp}/missing', '--index={tmp}/i'], 'missing'),
+    ('retrieve', ['search', '--index={tmp}/nothing', '--query=x'], 'nothing'),
+    ('bench', ['retrieval', '--data_dir=/nonexistent'], '/nonexistent'),
+    ('bench', ['represent', '--ckpt={tmp}/nope.pt'], 'nope.pt'),
+    ('bench', ['represent', '--ckpt={trained}/ckpt.pt', '--data_dir={tmp}'], 'val.bin'),
+    # a resume that cannot continue: another architecture or n_ctx, a truncated checkpoint
+    *[('train', [*RESUME, arg], arg[2:].split('=')[0]) for arg in ['--arch=llama', '--n_ctx=16']],
+    ('train', ['--data_dir={data}', '--out_dir={tmp}/cut', *TINY, '--init_from=resume'], 'ckpt.pt'),
+    # a finished run, replaced only when asked: the refusal names the flag that continues or
+    # replaces it
+    ('train', ['--data_dir={data}', '--out_dir={trained}', *TINY], '--init_from=resume'),
+    ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--out_dir={tmp}/run'],
+     '--overwrite'),
+    ('retrieve', ['indirect', '--ckpt={mixer}', '--data_dir={pairs}', '--out_dir={tmp}/run',
+                  '--c=4'], '--overwrite'),
+    ('retrieve', ['index', '--ckpt={mixer}', '--docs={pairs}/pairs_val.jsonl', '--index={tmp}/run'],
+     '--overwrite'),
+    # output locations, checked before the work that fills them ({tmp}/file is a file)
+    ('train', ['--data_dir={data}', '--out_dir={tmp}/file/out', *TINY], '{tmp}/file'),
+    ('prepare', ['pystdlib', '--out_dir={tmp}/file'], '{tmp}/file'),
+    ('retrieve', ['eval', '--ckpt={tmp}/x.pt', '--pairs={tmp}/y.jsonl', '--json={tmp}/file/m.json'],
+     'json'),
+    ('retrieve', ['index', '--ckpt={tmp}/x.pt', '--docs={pairs}/pairs_val.jsonl',
+                  '--index={tmp}/file'], 'index'),
+    ('bench', ['throughput', *BENCH_TINY, '--json={tmp}/file/rows.json'], 'json'),
+    ('bench', ['memory', *BENCH_TINY, '--plot={tmp}'], 'plot'),
+]
+
+
+def scratch(tmp_path, data_dir):
+    """The small files the refusal table names, each wrong in its own way."""
+    for name, content in [('file', b'in the way'), ('blank.txt', b'  \n'),
+                          ('notpreset.py', b'import os\nn_ctx = 64\n'),
+                          ('latin1.txt', 'déjà vu, naïve café\n'.encode('latin-1')),
+                          ('latin1.jsonl',
+                           '{"query": "café", "target": "naïve"}\n'.encode('latin-1') * 3),
+                          ('ascii.txt', bytes(range(33, 127)) * 20),
+                          ('bad.jsonl',
+                           b'{"query": "a", "target": "b"}\n' * 2 + b'{"query": oops}\n'),
+                          ('run/ckpt.pt', b'a long run'), ('run/log.jsonl', b'{"step": 1}\n'),
+                          ('run/manifest.json', b'{}'), ('run/c4/ckpt.pt', b'a long run')]:
+        (tmp_path / name).parent.mkdir(exist_ok=True, parents=True)
+        (tmp_path / name).write_bytes(content)
+    (tmp_path / 'empty').mkdir()
+    buf = io.BytesIO()
+    torch.save({'model': {'w': torch.zeros(1000)}}, buf)
+    (tmp_path / 'cut').mkdir()
+    # as a kill -9 during a save leaves it
+    (tmp_path / 'cut/ckpt.pt').write_bytes(buf.getvalue()[:1000])
+    for kind in ('indirect', 'retrieval'):
+        train.save_checkpoint({'kind': kind, 'model': {}}, str(tmp_path / f'{kind}.pt'))
+    make_ckpt(tmp_path / 'n1.pt', data_dir, n_ctx=1)
+
+
+@pytest.mark.parametrize('script,argv,culprit', REFUSALS, ids=[f'{s}:{c}' for s, _, c in REFUSALS])
+def test_refusal(script, argv, culprit, corpus, request, tmp_path, capsys):
+    scratch(tmp_path, corpus.data)
+    keep = [tmp_path, corpus.root]
+
+    def value(m):
+        # their folders are kept too: train's corpus, the finished run
+        if m[1] in ('data', 'trained'):
+            path = str(request.getfixturevalue(m[1]))
+            keep.append(os.path.dirname(path) if m[1] == 'data' else path)
+            return path
+        return str({'tmp': tmp_path, 'mixer': corpus.mixer, 'pairs': corpus.data,
+                    'ae': corpus.ae}[m[1]])
+    fill = lambda text: re.sub(r'\{(\w+)\}', value, str(text))  # noqa: E731
+    refused(capsys, script, [fill(a) for a in argv], fill(culprit), keep=keep)
+    assert script != 'train' or not (tmp_path / 'out').exists()  # train makes no out_dir either
+
+
+@pytest.mark.parametrize('script,words',
+                         [('train', ['n_ctx']), ('sample', ['method']),
+                          ('retrieve', ['eval', 'index']),
+                                          ('prepare', ['max_tokens', *prepare.DATASETS]),
+                                          ('bench', ['throughput'])])
+def test_help(script, words, capsys):
+    code, out, err = run_main(capsys, script, '--help')
+    assert code == 0 and all(w in out for w in words), out
+
+
+@pytest.mark.parametrize('argv,says', [
+    (['sample.py', '--ckpt=/nonexistent/ckpt.pt'], 'error: no checkpoint at /nonexistent/ckpt.pt'),
+    (['bench.py', 'race', '--max_time=-5'], 'error: --max_time=-5')], ids=['sample', 'race'])
+def test_sample_run_from_the_shell_exits_2_without_traceback(argv, says, tmp_path):
+    """As a user runs them (from another folder): status 2 and one `error:` line, no traceback."""
+    r = subprocess.run([sys.executable, os.path.join(HERE, argv[0]), *argv[1:]], cwd=tmp_path,
+                       capture_output=True, text=True, env=ENV)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and r.stderr.startswith(says), r

@@ -1,0 +1,513 @@
+"""retrieve.py: InfoNCE (eq. 7), the Algorithm 1 samplers, the many-candidate eval, indirect
+retrieval, search, training."""
+import importlib.util, io, json, math, os, random, re, socket, sys, types
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model as M, prepare, retrieve, train
+from prepare import Tokenizer
+from tests.conftest import (V, N, name, tiny, make, records, weights, run_main, refused,
+                            without_paths, torchrun, PAIR_WORDS, pair_texts, write_pairs)
+
+
+def test_info_nce_is_eq7():
+    """-log f(q, t+) / (f(q, t+) + sum f(q, t-)), f = exp(cos / tau) (eq. 8), by hand: over in-batch
+    targets, over groups of 31 candidates, and symmetric (mean with target-to-query), also for a row
+    shard."""
+    tau, f = 0.02, lambda a, b: math.exp(float(a @ b / (a.norm() * b.norm())) / 0.02)  # noqa: E731
+    q, t = unit(6, 16, seed=1), unit(6, 16, seed=2)
+    by_hand = [-math.log(f(q[i], t[i]) / sum(f(q[i], t[j]) for j in range(6))) for i in range(6)]
+    got = retrieve.info_nce(q, t, torch.arange(6), tau).item()
+    assert got == pytest.approx(np.mean(by_hand), rel=1e-9)
+    q3, cands, labels = unit(3, 16, seed=3), unit(3, 31, 16, seed=4), torch.tensor([0, 17, 30])
+    by_hand = [-math.log(f(q3[b], cands[b, labels[b]]) / sum(f(q3[b], c) for c in cands[b]))
+               for b in range(3)]
+    got = retrieve.info_nce(q3, cands, labels, tau).item()
+    assert got == pytest.approx(np.mean(by_hand), rel=1e-9)
+    nce = lambda *a: retrieve.info_nce(*a, tau).item()  # noqa: E731
+    both = retrieve.info_nce(q, t, torch.arange(6), tau, symmetric=True).item()
+    assert both == pytest.approx((nce(q, t, torch.arange(6)) + nce(t, q, torch.arange(6))) / 2,
+                                 rel=1e-12)
+    shard = torch.tensor([2, 3])
+    # its queries vs all targets, its targets vs its queries
+    expect = (nce(q[shard], t, shard) + nce(t[shard], q[shard], torch.arange(2))) / 2
+    assert retrieve.info_nce(q[shard], t, shard, tau,
+                             symmetric=True).item() == pytest.approx(expect, rel=1e-12)
+
+
+@pytest.mark.parametrize('negatives', ['inbatch', 'paper'])
+def test_info_nce_of_row_shards_averages_to_the_batch(corpus, negatives):
+    """A row shard keeps its queries and every in-batch target: the shard losses average to the
+    batch's."""
+    tok = Tokenizer.from_dir(str(corpus.data))
+    get = retrieve.PairBatches(dict(train.LOOP_DEFAULTS, data_dir=str(corpus.data),
+                                    negatives=negatives, batch_size=4), tok, 32)
+    emb = torch.nn.Embedding(tok.vocab_size, 8)
+
+    def loss(batch):
+        idx, _, labels = batch
+        e = F.normalize(emb(idx).mean(1), dim=-1)
+        q, rest = e[:len(labels)], e[len(labels):]
+        targets = rest if negatives == 'inbatch' else rest.view(len(labels), -1, 8)
+        return retrieve.info_nce(q, targets, labels)
+    torch.testing.assert_close(loss(get('train', 2, 0)),
+                               sum(loss(get('train', 2, 0, s, 2)) for s in range(2)) / 2)
+
+
+TRIM = [dict(), dict(n_heads=2, kernel=3, n_convs=2), dict(expansion=1.5), dict(expansion=0.5),
+        dict(softmax=True, pos_emb=True), dict(arch='gmlp'), dict(arch='llama'),
+        dict(objective='autoencoder'), dict(arch='llama', objective='autoencoder'),
+        dict(objective='half'), dict(arch='llama', objective='half'), dict(arch='gpt'),
+        dict(arch='hybrid'), dict(arch='elita'), dict(causal=False), dict(pos_channel='every')]
+
+
+@pytest.mark.parametrize('variant', TRIM, ids=name)
+@pytest.mark.parametrize('embed_pos', [-1, -2])
+def test_trimmed_padding_equals_the_full_window(variant, embed_pos):
+    """TextEncoder's trim (shared pad states for causal mixers, dropped pad columns for llama) gives
+    the full window's embeddings and InfoNCE gradients, running fewer rows where it applies."""
+    n = 24
+    model = make(tiny(n_ctx=n, **variant))
+    gen = torch.Generator().manual_seed(1)
+    lengths = [1, 3, 17, 5, 2, 9, 4, 12]  # short queries, longer targets, none fills the window
+    idx, mask = retrieve.left_pad([torch.randint(4, V, (k,),
+                                                 generator=gen).tolist() for k in lengths], n, 3)
+    rows = []
+    stack = model.encoder if variant.get('objective') == 'autoencoder' else model.backbone
+    first_ffn = stack.blocks[0]
+    first_ffn = first_ffn.ffn or first_ffn.mixers[-1]  # gmlp: the gated MLP is the block
+    hook = first_ffn.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[:2].numel()))
+    results = {}
+    for trim in (False, True):
+        enc, rows[:] = retrieve.TextEncoder(model, embed_pos, trim), []
+        model.zero_grad()
+        e = enc(idx, mask)
+        retrieve.info_nce(e[:4], e[4:], torch.arange(4), symmetric=True).backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results[trim] = e.detach(), grads, sum(rows)
+    hook.remove()
+    (e0, g0, rows0), (e1, g1, rows1) = results[False], results[True]
+    # float64 models; RoPE's tables are float32
+    torch.testing.assert_close(e1, e0, rtol=1e-6, atol=1e-6)
+    scale = max(float(a.abs().max()) for a in g0)
+    assert len(g0) == len(g1)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7 * scale)
+    # half blanks from half the input's length: a shorter pass moves it
+    trims = variant.get('arch', 'mixer') in ('mixer', 'gmlp', 'llama') \
+        and variant.get('causal', True) and variant.get('objective') != 'half'
+    assert retrieve.TextEncoder(model, embed_pos).trim == trims
+    assert rows0 == 8 * n and (rows1 < 8 * 17 if trims else rows1 == rows0), (rows0, rows1)
+
+
+def test_tail_refuses_real_tokens_in_the_dropped_columns():
+    model = make(tiny())
+    idx, mask = retrieve.left_pad([[5, 6, 7], [8] * 6], N, 3)
+    torch.testing.assert_close(model.hidden(idx, mask, keep=6), model.hidden(idx, mask)[:, -6:])
+    with pytest.raises(ValueError, match='padding'):
+        model.hidden(idx, mask, keep=4)
+    idx[1, 0] = 9                                        # not the same pad id in every row
+    with pytest.raises(ValueError, match='padding'):
+        model.hidden(idx, None, keep=6)
+
+
+def chi2(labels, k):
+    counts = torch.bincount(labels, minlength=k).double()
+    return float(((counts - len(labels) / k) ** 2 / (len(labels) / k)).sum())
+
+
+def test_samplers_place_the_match_once_uniformly_among_distinct_negatives():
+    """The paper's candidates; Algorithm 1's: the query first, then c-1 targets, c-2 of them
+    non-matching."""
+    gen, n_pool, k, draws = torch.Generator().manual_seed(0), 50, 8, 4000
+    match = torch.randint(0, n_pool, (draws,), generator=gen)
+    cands, labels = retrieve.sample_candidates(match, n_pool, k, gen)
+    assert cands.shape == (draws, k) and torch.equal(cands[torch.arange(draws), labels], match)
+    assert ((cands == match[:, None]).sum(1) == 1).all()                 # the match exactly once
+    assert all(len(set(row)) == k for row in cands.tolist())  # negatives without replacement
+    assert chi2(labels, k) < 24.3  # p = 0.001 for 7 degrees of freedom
+    negs = cands[torch.arange(k)[None] != labels[:, None]]
+    # negatives spread over the pool
+    freq = torch.bincount(negs, minlength=n_pool).double() / len(negs)
+    assert freq.min() > 0.5 / n_pool and freq.max() < 1.5 / n_pool
+    q, t, c = unit(40, 8, seed=7), unit(40, 8, seed=8), 6
+    gen = torch.Generator().manual_seed(0)
+    match = torch.randint(0, 40, (3000,), generator=gen)
+    x, labels, rows = retrieve.algorithm1(q, t, match, c, gen)
+    assert x.shape == (3000, c, 8) and torch.equal(x[:, 0], q[match])
+    assert torch.equal(x[torch.arange(3000), 1 + labels], t[match])
+    others = rows[:, 1:][torch.arange(c - 1)[None] != labels[:, None]].view(3000, c - 2)
+    assert (others != match[:, None]).all() and all(len(set(r)) == c - 2 for r in others.tolist())
+    assert chi2(labels, c - 1) < 18.5                                    # p = 0.001, 4 dof
+
+
+def test_pair_batches_layout(corpus):
+    """paper: B queries then B groups of 31 candidates, the match at its label; inbatch: B + B rows.
+    Left padding; a pure function of its arguments."""
+    tok = Tokenizer.from_dir(str(corpus.data))
+    cfg = dict(train.LOOP_DEFAULTS, data_dir=str(corpus.data), negatives='paper', batch_size=2)
+    batches = retrieve.PairBatches(cfg, tok, 32)
+    idx, mask, labels = batches('train', 5, 0)
+    assert idx.shape == (2 + 2 * 31, 32) and labels.shape == (2,)
+    assert torch.equal(idx, batches('train', 5, 0)[0])
+    queries, targets = batches.pairs['train']
+    for b in range(2):
+        row = 2 + 31 * b + labels[b]
+        assert idx[row][mask[row]].tolist() == targets[queries.index(idx[b][mask[b]].tolist())][:32]
+    assert mask[:, -1].all() and not mask[:, 0].all()
+    idx, mask, labels = retrieve.PairBatches(dict(cfg, negatives='inbatch', batch_size=4), tok,
+                                             32)('val', None, 1)
+    assert idx.shape == (8, 32) and torch.equal(labels, torch.arange(4))
+
+
+def test_eval_identical_texts_is_100_percent_and_n_is_capped(corpus, capsys, tmp_path):
+    """Untrained but deterministic encoders find a target identical to its query at every n; n
+    past the pair count is capped at it + 1 (the query and every target), announced."""
+    write_pairs(tmp_path / 'same.jsonl',
+                [(t, t) for _, t in (pair_texts(random.Random(1), i) for i in range(40))])
+    for ckpt in (corpus.mixer, corpus.llama, corpus.ae):
+        code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={ckpt}',
+                                  f'--pairs={tmp_path}/same.jsonl',
+                                  '--n=8,16,32', f'--json={tmp_path}/m.json')
+        m = json.loads((tmp_path / 'm.json').read_text())
+        assert code == 0 and set(m) == {'top1', 'mrr@10', 'recall@k', 'n_pairs'}
+        assert m['n_pairs'] == 40
+        assert m['top1'] == {'8': 100.0, '16': 100.0, '32': 100.0} and m['mrr@10'] == 1.0
+        assert m['recall@k'] == {'1': 100.0, '5': 100.0, '10': 100.0}
+    code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={corpus.mixer}',
+                              f'--pairs={corpus.data}/pairs_val.jsonl', '--n=16,64,128',
+                              f'--json={tmp_path}/m.json')
+    assert code == 0 and '49' in without_paths(err)
+    assert list(json.loads((tmp_path / 'm.json').read_text())['top1']) == ['16', '49']
+
+
+def test_eval_random_scores_are_one_in_n_minus_one():
+    """Table 1's n: one query, its target and n-2 non-matching targets, so chance is 1/(n-1)."""
+    pairs = 3000
+    m = retrieve.retrieval_metrics(unit(pairs, 64, seed=5).float(), unit(pairs, 64, seed=6).float(),
+                                   (3, 8, 32), seed=0)
+    for n in (3, 8, 32):
+        p, sd = 100 / (n - 1), 100 * math.sqrt((1 / (n - 1)) * (1 - 1 / (n - 1)) / pairs)
+        assert abs(m['top1'][str(n)] - p) < 4 * sd, (n, m['top1'])
+    assert abs(m['recall@k']['10'] - 100 * 10 / pairs) < 0.5
+
+
+class FakeSentenceTransformer:
+    """sentence-transformers' interface (constructor, encode) over a bag of letters: a stand-in
+    peer."""
+
+    def __init__(self, name, device='cpu', local_files_only=False):
+        if name == 'missing':
+            raise OSError("missing is not a local folder and not a model on the hub\nmore")
+
+    def encode(self, texts, batch_size=32, convert_to_numpy=True):
+        return np.array([[text.lower().count(chr(97 + i)) for i in range(26)] for text in texts],
+                        dtype=np.float32)
+
+
+def test_eval_peer_scores_a_sentence_transformer_on_the_same_pairs(corpus, capsys, tmp_path,
+                                                                    monkeypatch):
+    """--peer scores a sentence-transformers model by the same metric on the same pairs, beside the
+    checkpoint."""
+    pairs = corpus.data / 'pairs_val.jsonl'
+    fake = types.SimpleNamespace(SentenceTransformer=FakeSentenceTransformer)
+    monkeypatch.setitem(sys.modules, 'sentence_transformers', fake)
+    code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={corpus.mixer}',
+                              '--peer=fake-peer',
+                              f'--pairs={pairs}', '--n=8,16', f'--json={tmp_path}/m.json')
+    assert code == 0, err
+    m = json.loads((tmp_path / 'm.json').read_text())
+    peer = FakeSentenceTransformer('fake-peer')
+    expect = retrieve.retrieval_metrics(*(F.normalize(torch.from_numpy(peer.encode(x)), dim=-1)
+                                          for x in retrieve.read_pairs(str(pairs))), (8, 16), 0)
+    assert m['peer'] == expect and set(m['ckpt']) == set(expect)
+    assert out.count('top-1%') == 2 and 'fake-peer: 48 pairs' in out
+    refused(capsys, 'retrieve', ['eval', '--peer=missing', f'--pairs={pairs}', '--n=8'], 'missing')
+    # not installed: say how to install it
+    monkeypatch.setitem(sys.modules, 'sentence_transformers', None)
+    refused(capsys, 'retrieve', ['eval', '--peer=all-MiniLM-L6-v2', f'--pairs={pairs}'],
+            'pip install sentence-transf')
+
+
+def test_retrieval_mixer_learns_algorithm1_inputs():
+    """The label points at the match: on embeddings that carry the match, a RetrievalMixer learns
+    it."""
+    torch.manual_seed(0)
+    t = torch.randn(400, 32)
+    q = t + 0.3 * torch.randn(400, 32)  # a query is its target, noised
+    model, gen = M.RetrievalMixer(32, 2, 8), torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(300):
+        x, labels, _ = retrieve.algorithm1(q, t, torch.randint(0, 400, (64,), generator=gen), 8,
+                                           gen)
+        opt.zero_grad()
+        model(x, labels)[1].backward()
+        opt.step()
+    x, labels, _ = retrieve.algorithm1(q, t, torch.arange(400), 8, gen)
+    assert (model(x)[0].argmax(-1) == labels).float().mean() > 0.8     # chance: 1 in 7
+
+
+def test_indirect_trains_and_reports(corpus, capsys, tmp_path, monkeypatch):
+    """One RetrievalMixer per c, each an 'indirect' checkpoint; embedding reports progress on
+    stderr; each c's training and result lines say which c."""
+    monkeypatch.setattr(retrieve, 'PROGRESS_S', 0.0)      # a line per batch, not per 5 s
+    code, out, err = run_main(capsys, 'retrieve', 'indirect', f'--ckpt={corpus.mixer}',
+                              f'--data_dir={corpus.data}', f'--out_dir={tmp_path}/ind', '--c=4,8',
+                              '--n_layers=1', '--max_iters=6', '--eval_interval=6',
+                              '--eval_iters=1', '--log_interval=2', '--batch_size=16',
+                              f'--json={tmp_path}/ind.json')
+    assert code == 0, err
+    assert 'embedding: 32/160 texts' in err and 'embedding: 32/48 texts' in err
+    steps = [line for line in out.splitlines() if 'step ' in line]
+    for c in (4, 8):
+        assert sum(line.startswith(f'c={c}: step ') for line in steps) >= 3, out
+        assert re.search(rf'^c={c}: top-1 [\d.]+%', out, re.M), out
+    assert all(line.startswith(('c=4: ', 'c=8: ')) for line in steps), out
+    res = json.loads((tmp_path / 'ind.json').read_text())['c']
+    assert set(res) == {'4', '8'}
+    assert all(0 <= r['top1'] <= 100 and r['loss'] > 0 for r in res.values())
+    ckpt = train.load_checkpoint(tmp_path / 'ind/c8/ckpt.pt')
+    assert ckpt['kind'] == 'indirect'
+    assert ckpt['retrieval_mixer'] == dict(d_model=32, n_layers=1, c=8)
+    assert ckpt['embedder']['ckpt'] == os.path.abspath(corpus.mixer)
+
+
+@pytest.mark.parametrize('normalize', [False, True])
+def test_indirect_feeds_raw_hidden_states(corpus, capsys, tmp_path, monkeypatch, normalize):
+    """As the author's code: the RetrievalMixer reads the frozen model's last hidden states as they
+    are; --normalize=True gives unit rows x sqrt(d_model) instead."""
+    seen = []
+
+    class Recording(M.RetrievalMixer):
+        def forward(self, x, labels=None):
+            seen.append(x.detach().clone())
+            return super().forward(x, labels)
+
+    monkeypatch.setattr(retrieve, 'RetrievalMixer', Recording)
+    code, _, err = run_main(capsys, 'retrieve', 'indirect', f'--ckpt={corpus.mixer}',
+                            f'--data_dir={corpus.data}', f'--out_dir={tmp_path}/ind', '--c=4',
+                            '--n_layers=1', '--max_iters=1', '--eval_iters=1', '--batch_size=8',
+                            '--dtype=float32', '--device=cpu', f'--normalize={normalize}')
+    assert code == 0, err
+    ckpt = train.load_checkpoint(corpus.mixer)      # the full window, here, not through TextEncoder
+    model = train.model_from_checkpoint(ckpt).eval()
+    tok = prepare.Tokenizer.from_meta(ckpt['data']['meta'], str(corpus.data))
+    texts = [t for s in train.SPLITS
+             for side in retrieve.read_pairs(corpus.data / f'pairs_{s}.jsonl') for t in side]
+    idx, mask = retrieve.left_pad([tok.encode(t, bos=True)[:32] for t in texts], 32, tok.pad_id)
+    with torch.no_grad():
+        h = model.hidden(idx, mask)[:, -1]                                          # (N, 32)
+    pool = F.normalize(h, dim=-1) * math.sqrt(32) if normalize else h
+    rows = torch.cat(seen).flatten(0, 1)                                    # every input row
+    dist = torch.cdist(rows, pool, compute_mode='donot_use_mm_for_euclid_dist').min(1).values
+    # trimmed vs full window in fp32: eps 1.2e-7 x norms ~10 x a few ops; the other form is >= 1 off
+    assert dist.max() < 1e-4
+    assert not torch.allclose(h.norm(dim=-1), h.norm(dim=-1).mean())   # raw rows: no common norm
+
+
+def test_index_and_search(corpus, capsys, tmp_path, monkeypatch):
+    """A document's own text finds it first, at cosine 1 (binary files skipped). An index answers
+    only queries embedded by its own weights, and no empty ones; --overwrite rebuilds it for other
+    weights. index and search need no --index."""
+    data, mixer, llama = corpus.data, corpus.mixer, corpus.llama
+    rng, index = random.Random(2), tmp_path / 'index'
+    texts = [''.join(pair_texts(rng, 100 + i)) for i in range(12)]
+    (tmp_path / 'docs').mkdir()
+    for i, text in enumerate(texts):
+        (tmp_path / f'docs/d{i}.py').write_text(text)
+    (tmp_path / 'docs/blob.bin').write_bytes(b'\0\1\2')
+    code, out, err = run_main(capsys, 'retrieve', 'index', f'--ckpt={mixer}',
+                              f'--docs={tmp_path}/docs', f'--index={index}', '--dtype=float32')
+    manifest = json.loads((index / 'manifest.json').read_text())
+    assert code == 0 and manifest['n_documents'] == 12
+    assert np.load(index / manifest['embeddings']).shape[0] == manifest['n_chunks']
+    for i in (3, 7):
+        code, out, err = run_main(capsys, 'retrieve', 'search', f'--index={index}',
+                                  f'--query={texts[i]}', '--k=3', '--dtype=float32')
+        first = out.splitlines()[0]
+        assert code == 0 and first.startswith('1. 1.000')
+        assert first.split()[2] == str(tmp_path / f'docs/d{i}.py')
+    refused(capsys, 'retrieve', ['search', f'--index={index}', '--query=sort the load',
+                                 f'--ckpt={llama}'], 'llama.pt', keep=[index])
+    refused(capsys, 'retrieve', ['search', f'--index={index}', '--query=  '], 'query')
+    assert run_main(capsys, 'retrieve', 'index', f'--ckpt={llama}',
+                    f'--docs={data}/pairs_val.jsonl',
+                    f'--index={index}', '--overwrite')[0] == 0
+    code, out, _ = run_main(capsys, 'retrieve', 'search', f'--index={index}', '--query=sort',
+                            f'--ckpt={llama}')
+    assert code == 0 and out.startswith('1. ')
+    names = sorted(p.name.split('.')[0] for p in index.iterdir())
+    assert names == ['chunks', 'embeddings', 'manifest']  # no leftovers
+    monkeypatch.chdir(tmp_path)  # no --index: it defaults under out/ (which git ignores, section 4)
+    assert run_main(capsys, 'retrieve', 'index', f'--ckpt={mixer}',
+                    f'--docs={data}/pairs_val.jsonl')[0] == 0
+    assert (tmp_path / 'out/index/manifest.json').is_file()
+    code, out, err = run_main(capsys, 'retrieve', 'search', '--query=sort the load', '--k=2')
+    assert code == 0 and out.startswith('1. '), err
+
+
+GOOD_MANIFEST = dict(ckpt='x.pt', fingerprint='ab12', embed_pos=-1, n_ctx=32, n_chunks=4,
+                     n_documents=2, embeddings='embeddings.ab12.npy', chunks='chunks.ab12.jsonl')
+
+
+BROKEN_INDEXES = {   # manifest.json's text, and what the other files are cut to
+    'truncated': (json.dumps(GOOD_MANIFEST)[:30], {}), 'list': ('[1, 2]', {}),
+    **{f'no-{k}': (json.dumps({n: v for n, v in GOOD_MANIFEST.items() if n != k}), {})
+       for k in GOOD_MANIFEST if k not in ('n_ctx', 'n_documents')},   # the fields search reads
+    'n_chunks-str': (json.dumps({**GOOD_MANIFEST, 'n_chunks': '4'}), {}),
+    'deleted-npy': (json.dumps(GOOD_MANIFEST), {'embeddings.ab12.npy': None}),
+    'cut-npy': (json.dumps(GOOD_MANIFEST), {'embeddings.ab12.npy': 100}),
+    'empty-npy': (json.dumps(GOOD_MANIFEST), {'embeddings.ab12.npy': 0}),
+    'deleted-jsonl': (json.dumps(GOOD_MANIFEST), {'chunks.ab12.jsonl': None}),
+}
+
+
+@pytest.mark.parametrize('broken', BROKEN_INDEXES)
+def test_search_broken_index(broken, capsys, tmp_path):
+    """An index whose manifest or data files are damaged: one error line naming the file and the
+    command that rebuilds the index, exit 2, nothing changed."""
+    text, cuts = BROKEN_INDEXES[broken]
+    index = tmp_path / 'index'
+    index.mkdir()
+    buf = io.BytesIO()
+    np.save(buf, np.zeros((4, 8), np.float32))
+    files = {'manifest.json': text.encode(), 'embeddings.ab12.npy': buf.getvalue(),
+             'chunks.ab12.jsonl': b'{"source": "a", "offset": 0, "text": "x"}\n' * 4}
+    for name, data in files.items():
+        if cuts.get(name, len(data)) is not None:
+            (index / name).write_bytes(data[:cuts.get(name, len(data))])
+    culprit = next((n for n in cuts), 'manifest.json')
+    refused(capsys, 'retrieve', ['search', f'--index={index}', '--query=x'], str(index / culprit),
+            keep=[tmp_path])
+    code, _, err = run_main(capsys, 'retrieve', 'search', f'--index={index}', '--query=x')
+    assert f'retrieve.py index --ckpt=CKPT --docs=PATH --index={index} --overwrite' in err
+    assert broken[3:] not in GOOD_MANIFEST or repr(broken[3:]) in err, err   # the field named
+
+
+def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
+    """60 InfoNCE steps from an untrained LM beat chance 3x; the lm head stays frozen; the result is
+    an ordinary model checkpoint, and --init_from=resume continues it."""
+    data, mixer = corpus.data, corpus.mixer
+    out_dir = tmp_path / 'ret'
+    common = [f'--data_dir={data}', f'--out_dir={out_dir}', '--batch_size=16', '--lr=2e-3',
+              '--warmup_iters=2',
+              '--eval_interval=20', '--eval_iters=3', '--log_interval=10', '--dtype=float32']
+    code, out, err = run_main(capsys, 'retrieve', 'train', f'--init_from={mixer}', '--max_iters=60',
+                              *common)
+    assert code == 0, err
+    evals = records(out_dir, 'val_loss')
+    assert evals[0]['step'] == 0 and evals[-1]['step'] == 60
+    # below log(16), the loss of embeddings collapsed to one point: the queries found their targets
+    assert evals[-1]['val_loss'] < min(evals[0]['val_loss'], math.log(16)) - 0.1, evals
+    run_main(capsys, 'retrieve', 'eval', f'--ckpt={out_dir}/ckpt.pt',
+             f'--pairs={data}/pairs_val.jsonl', '--n=48', f'--json={tmp_path}/m.json')
+    # chance is 1 in 47
+    assert json.loads((tmp_path / 'm.json').read_text())['top1']['48'] > 3 * 100 / 47
+    ckpt = train.load_checkpoint(out_dir / 'ckpt.pt')
+    before = torch.load(mixer, weights_only=True)['model']
+    assert ckpt['kind'] == 'retrieval' and ckpt['embed_pos'] == -1
+    assert ckpt['init_from'] == os.path.abspath(mixer)
+    assert set(train.model_from_checkpoint(ckpt).state_dict()) == set(before)
+    assert torch.equal(ckpt['model']['lm_head.weight'], before['lm_head.weight'])
+    assert run_main(capsys, 'retrieve', 'train', '--init_from=resume', '--max_iters=70',
+                    *common)[0] == 0
+    assert train.load_checkpoint(out_dir / 'ckpt.pt')['step'] == 70
+
+
+def test_retrieval_ddp_row_shards_equal_one_process(corpus, capsys, tmp_path):
+    """torchrun, grad_accum=1: each rank embeds half the queries and every target; the step is one
+    process's."""
+    common = ['train', f'--init_from={corpus.mixer}', f'--data_dir={corpus.data}', '--batch_size=8',
+              '--lr=2e-3',
+              '--max_iters=1', '--eval_interval=1', '--eval_iters=1', '--dtype=float32']
+    torchrun('retrieve.py', [*common, f'--out_dir={tmp_path}/ddp'])
+    assert run_main(capsys, 'retrieve', *common, f'--out_dir={tmp_path}/one')[0] == 0
+    (ddp,), (one,) = records(tmp_path / 'ddp', 'loss'), records(tmp_path / 'one', 'loss')
+    # the step's loss: mean of the shard losses
+    assert ddp['loss'] == pytest.approx(one['loss'], rel=1e-5)
+    a, b = weights(tmp_path / 'ddp'), weights(tmp_path / 'one')
+    # Adam's first step is ~lr * sign(grad): near-zero gradients may differ
+    for k, v in a['model'].items():
+        torch.testing.assert_close(v, b['model'][k], rtol=0, atol=0.5 * 2e-3 / 21)
+
+
+def test_train_paper_negatives_and_autoencoder_encoder(corpus, capsys, tmp_path):
+    """Paper negatives with grad_accum train a llama; an autoencoder trains its encoder only."""
+    for ckpt, extra in ((corpus.llama, ['--negatives=paper', '--batch_size=1', '--grad_accum=2']),
+                        (corpus.ae, [])):
+        out_dir = tmp_path / os.path.basename(ckpt)
+        code, out, err = run_main(capsys, 'retrieve', 'train', f'--init_from={ckpt}',
+                                  f'--data_dir={corpus.data}', f'--out_dir={out_dir}',
+                                  '--max_iters=2', '--eval_interval=2', '--eval_iters=1', *extra)
+        assert code == 0, err
+        before = torch.load(ckpt, weights_only=True)['model']
+        after = train.load_checkpoint(out_dir / 'ckpt.pt')
+        changed = {k for k in before if not torch.equal(before[k], after['model'][k])}
+        if ckpt == corpus.ae:
+            assert changed and all(k.startswith('encoder.') for k in changed)
+        else:
+            assert after['config']['negatives'] == 'paper' and 'backbone.wte.weight' in changed
+
+
+def test_index_joins_a_short_last_chunk_to_its_neighbour(corpus, capsys, tmp_path):
+    """A document's last chunk of a few tokens (which cosines rank first) joins the chunk before
+    it, whose embedding still reads its own window; --min_chunk=0 keeps every window apart."""
+    tok, words = Tokenizer.from_dir(str(corpus.data)), PAIR_WORDS * 8
+    for end in range(40, len(words)):          # 31 tokens a chunk (n_ctx 32 less bos); tail 1-3
+        text = ' '.join(words[:end]) + '\n'
+        if len(tok.encode(text)) > 62 and 1 <= len(tok.encode(text)) % 31 <= 3:
+            break
+    n = len(tok.encode(text))
+    (tmp_path / 'docs').mkdir()
+    (tmp_path / 'docs/long.txt').write_text(text)
+    for min_chunk, offsets in ((16, list(range(0, n - n % 31, 31))), (0, list(range(0, n, 31)))):
+        argv = [f'--ckpt={corpus.mixer}', f'--docs={tmp_path}/docs', f'--index={tmp_path}/i',
+                f'--min_chunk={min_chunk}', '--overwrite', '--dtype=float32']
+        assert run_main(capsys, 'retrieve', 'index', *argv)[0] == 0
+        manifest = json.loads((tmp_path / 'i/manifest.json').read_text())
+        chunks = [json.loads(line) for line in (tmp_path / 'i' / manifest['chunks']).open()]
+        assert [c['offset'] for c in chunks] == offsets, (n, min_chunk)
+        assert tok.decode(tok.encode(text)[-(n % 31):]).strip() in chunks[-1]['text']
+
+
+class HubOnlyPeer:
+    """A sentence-transformers stand-in whose model is on the hub only, never in the cache."""
+    calls = []
+
+    def __init__(self, name, device='cpu', local_files_only=False):
+        HubOnlyPeer.calls.append(local_files_only)
+        raise OSError(f"{name} is not in the cache" if local_files_only else
+                      "the hub client retried for 75 s")
+
+
+def test_peer_by_name_fails_fast_without_the_hub(corpus, capsys, monkeypatch):
+    """A hub name with the hub out of reach (a closed port) reads the cache only and says to pass
+    a folder, with sentence-transformers named as optional; so does the package missing."""
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        dead = f'http://127.0.0.1:{s.getsockname()[1]}'  # closed once the block ends
+    installed = importlib.util.find_spec('sentence_transformers') is not None
+    monkeypatch.setenv('HF_ENDPOINT', dead)
+    monkeypatch.delenv('HF_HUB_OFFLINE', raising=False)
+    monkeypatch.setitem(sys.modules, 'sentence_transformers',
+                        types.SimpleNamespace(SentenceTransformer=HubOnlyPeer))
+    HubOnlyPeer.calls.clear()
+    argv = ['eval', '--peer=all-MiniLM-L6-v2', f'--pairs={corpus.data}/pairs_val.jsonl', '--n=8']
+    refused(capsys, 'retrieve', argv, '--peer=PATH')
+    assert HubOnlyPeer.calls == [True]                    # never asked to reach the hub
+    _, _, err = run_main(capsys, 'retrieve', *argv)
+    assert dead in err and 'sentence-transformers is optional' in err
+    if installed:
+        monkeypatch.setitem(sys.modules, 'sentence_transformers', None)   # as if not installed
+    else:
+        monkeypatch.delitem(sys.modules, 'sentence_transformers')         # this machine's case
+    refused(capsys, 'retrieve', argv, 'pip install sentence-transformers')
+    assert 'optional' in run_main(capsys, 'retrieve', *argv)[2]
+
+
+def unit(*shape, seed=0):
+    return F.normalize(torch.randn(*shape, generator=torch.Generator().manual_seed(seed),
+                                   dtype=torch.float64), dim=-1)

@@ -1,0 +1,376 @@
+"""train.py: the loop, DDP == one process, kill -9 + resume bit-identical, the dtype rule, presets."""
+import ast, fnmatch, os, re, shutil, socket, subprocess, sys, time
+
+import numpy as np
+import pytest
+import torch
+
+import configurator, retrieve, sample, train
+from model import ModelConfig
+from tests.conftest import (HERE, ARCHS, learns, interrupted_and_resumed, TINY, ENV, train_run,
+                            records, weights, run_main, refused, cpu_kind, torchrun)
+
+
+LEARNS = ([(a, o, []) for a in ARCHS for o in ('clm', 'mtp2', 'half')]
+          + [(a, o, []) for a in ('mixer', 'llama') for o in ('autoencoder', 'bidirectional')]
+          # padded batches, pad mask
+          + [('llama', 'clm', ['--batch_mode=documents', '--padding=left'])])
+
+
+@pytest.mark.parametrize('arch,objective,extra', LEARNS,
+                         ids=[f'{a}-{o}' + '-docs' * bool(e) for a, o, e in LEARNS])
+def test_every_arch_and_objective_learns(data, tmp_path, arch, objective, extra):
+    """20 steps lower the training loss by 0.5 nats; the checkpoint rebuilds the trained model."""
+    ckpt = learns(data, tmp_path, f'--arch={arch}', f'--objective={objective}', *extra)
+    assert ckpt['step'] == 20 and ckpt['model_config']['objective'] == objective
+    head = train.model_from_checkpoint(ckpt).state_dict()['lm_head.weight']
+    assert torch.equal(head, ckpt['model']['lm_head.weight'])
+
+
+@pytest.mark.parametrize('padding', ['right', 'left'])
+def test_document_batches(data, padding):
+    """Each row is one n_ctx-aligned chunk of one document, padded; a short row ends its document.
+    A batch is a pure function of (split, step, micro-step)."""
+    n, meta = 32, train.load_meta(data)
+    get = train.Batches(dict(train.DEFAULTS, n_ctx=n, batch_size=16, batch_mode='documents',
+                             padding=padding, objective='clm'), meta, data)
+    x, y, mask = get('train', 3, 1)
+    assert torch.equal(x, get('train', 3, 1)[0]) and not torch.equal(x, get('train', 3, 0)[0])
+    stream = np.fromfile(os.path.join(data, 'train.bin'), dtype=meta['dtype']).astype(np.int64)
+    starts = np.load(os.path.join(data, 'train_docs.npy'))
+    chunks = {(s + k): e for s, e in zip(starts, np.append(starts[1:], len(stream)))
+              for k in range(0, e - s - 1, n)}
+    for row in range(16):
+        real = mask[row].nonzero()[:, 0]
+        # one contiguous run
+        assert len(real) and (real == torch.arange(real[0], real[-1] + 1)).all()
+        assert (real[0] == 0) if padding == 'right' else (real[-1] == n - 1)
+        assert (x[row, ~mask[row]] == meta['pad_id']).all() and (y[row, ~mask[row]] == -1).all()
+        w = np.append(x[row, real].numpy(), y[row, real[-1]].item())  # inputs + the last target
+        hits = [p for p, end in chunks.items()
+                if p + len(w) <= end and (stream[p:p + len(w)] == w).all()]
+        assert hits and (len(w) == n + 1 or chunks[hits[0]] == hits[0] + len(w))
+        assert torch.equal(x[row, real[1:]], y[row, real[:-1]])  # targets are the next tokens
+
+
+def test_auto_dtype_falls_back_to_float32_without_native_bf16(monkeypatch, capsys):
+    """Both fallback paths, forced so that every machine tests them: NANOMIXER_NO_BF16, and a CPU
+    without native bf16 (AVX2-only, mocked). An explicit bfloat16 wins, with a warning."""
+    monkeypatch.setenv(train.NO_BF16_ENV, '1')
+    dtype, why = train.choose_dtype(torch.device('cpu'), 'auto')
+    assert dtype == torch.float32 and train.NO_BF16_ENV in why
+    cpu_kind(monkeypatch, native=False)
+    assert train.choose_dtype(torch.device('cpu'), 'auto') == (torch.float32, train.cpu_bf16()[1])
+    assert 'bf16' in train.cpu_bf16()[1]
+    dtype, _ = train.choose_dtype(torch.device('cpu'), 'bfloat16')
+    assert dtype == torch.bfloat16 and 'emulated' in capsys.readouterr().err
+    with pytest.raises(ValueError, match='float16'):
+        train.choose_dtype(torch.device('cpu'), 'float16')
+
+
+def test_auto_dtype_picks_bf16_where_it_is_native(monkeypatch):
+    """On a CPU the capability query decides, with no timing that a busy machine could flip; on
+    CUDA bf16 where supported, else fp16."""
+    cpu_kind(monkeypatch, native=True)
+    monkeypatch.setattr(torch, 'randn', None)  # no timing probe runs: one would need random inputs
+    assert train.choose_dtype(torch.device('cpu'), 'auto')[0] == torch.bfloat16
+    monkeypatch.undo()
+    for has_bf16, expected in ((True, torch.bfloat16), (False, torch.float16)):     # CUDA, mocked
+        monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: has_bf16)
+        assert train.choose_dtype(torch.device('cuda'), 'auto')[0] == expected
+        # asked, but none: fp16
+        assert train.choose_dtype(torch.device('cuda'), 'bfloat16')[0] == expected
+
+
+def test_resume_keeps_the_recorded_dtype(data, tmp_path, monkeypatch, capsys):
+    """The checkpoint records the dtype auto chose; a resume keeps it even where auto would now
+    choose another (the capability flips between the run and its resume), and ends bit-identical
+    to a resume that saw no flip. Another dtype is used only when asked for, and said so."""
+    for out, flip in (('a', False), ('b', True)):
+        cpu_kind(monkeypatch, native=False)
+        assert train_run(data, tmp_path / out, '--max_iters=4', '--eval_interval=4') == 0
+        assert weights(tmp_path / out)['dtype'] == 'float32'
+        cpu_kind(monkeypatch, native=flip)
+        capsys.readouterr()
+        resume = ['--max_iters=8', '--eval_interval=4', '--init_from=resume']
+        assert train_run(data, tmp_path / out, *resume) == 0
+        assert 'cpu float32 (recorded by the run it resumes)' in capsys.readouterr().out
+    a, b = weights(tmp_path / 'a'), weights(tmp_path / 'b')
+    assert a['step'] == b['step'] == 8 and b['dtype'] == 'float32'
+    assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
+    cpu_kind(monkeypatch, native=False)  # an explicit dtype wins on resume, logged with the record
+    assert train_run(data, tmp_path / 'b', '--max_iters=9', '--init_from=resume',
+                     '--dtype=bfloat16') == 0
+    out = capsys.readouterr()
+    assert 'cpu bfloat16 (as asked; the run it resumes was trained in float32)' in out.out
+    assert 'emulated' in out.err and weights(tmp_path / 'b')['dtype'] == 'bfloat16'
+
+
+@pytest.mark.parametrize('accum,batch,world', [(1, 16, 1), (1, 16, 2), (1, 16, 8), (4, 16, 2),
+                                               (4, 8, 8), (3, 4, 2), (2, 6, 3)])
+def test_rank_pieces_cover_every_row_once(accum, batch, world):
+    """Every (micro-step, row shard) goes to exactly one rank, and every rank gets as many."""
+    pieces = [p for r in range(world) for p in train.rank_pieces(accum, batch, world, r)]
+    shards = pieces[0][2]
+    assert sorted((m, s) for m, s, _ in pieces) == [
+        (m, s) for m in range(accum) for s in range(shards)]
+    assert len({len(train.rank_pieces(accum, batch, world, r)) for r in range(world)}) == 1
+    assert batch % shards == 0
+
+
+def test_row_shards_are_the_micro_batch(data):
+    for mode in ('packed', 'documents'):
+        get = train.Batches(dict(train.DEFAULTS, n_ctx=16, batch_size=4, batch_mode=mode,
+                                 padding='left'), train.load_meta(data), data)
+        whole, halves = get('train', 3, 1), [get('train', 3, 1, s, 2) for s in range(2)]
+        # inputs, targets
+        assert all(torch.equal(whole[k], torch.cat([h[k] for h in halves])) for k in (0, 1))
+
+
+DDP_ATOL = 2 * 4 * 1e-2 * 2 ** -8  # 2*k*lr*d, k = 4 steps at TINY's lr: 3.1e-4; a bug moves ~lr
+
+
+@pytest.mark.parametrize('extra', [['--grad_accum=2'], [], ['--batch_mode=documents']],
+                         ids=['accum2', 'shards', 'documents'])  # []: grad_accum=1, so row shards
+def test_ddp_two_processes_equal_one(data, tmp_path, extra):
+    """torchrun with 2 processes reaches the one-process weights (DDP_ATOL) after 4 clipped steps:
+    whole micro-batches, row shards of them, and row shards of padded documents that hold different
+    numbers of real targets (each weighted by its share of the micro-batch's)."""
+    common = [*TINY, f'--data_dir={data}', '--dtype=float32', *extra, '--max_iters=4',
+              '--eval_interval=4', '--grad_clip=0.5']
+    if '--batch_mode=documents' in extra:  # the row shards of step 0 do hold different counts
+        cfg = configurator.parse_args(common, train.DEFAULTS, '')
+        get = train.Batches(cfg, train.load_meta(data), data)
+        counts = [int((get('train', 0, 0, s, 2)[1] != -1).sum()) for s in range(2)]
+        assert counts[0] != counts[1], counts
+    assert '2 process(es)' in torchrun('train.py', [*common, f'--out_dir={tmp_path}/ddp']).stdout
+    assert train.main([*common, f'--out_dir={tmp_path}/one']) == 0
+    a, b = weights(tmp_path / 'ddp'), weights(tmp_path / 'one')
+    assert a['step'] == b['step'] == 4 and a['tokens_seen'] == b['tokens_seen']
+    for k, v in a['model'].items():
+        torch.testing.assert_close(v, b['model'][k], rtol=0, atol=DDP_ATOL)
+    # seed 1337 init: they moved
+    start = train.build_model(train.ModelConfig(**a['model_config'])).state_dict()
+    assert any(not torch.allclose(v, start[k]) for k, v in a['model'].items())
+
+
+def test_ddp_refusal_reaches_every_rank(data, tmp_path):
+    """Two ranks at a folder that holds a run: both exit 2 with one error line and no traceback,
+    the run untouched. Launched with the variables torchrun sets (torchrun itself reports a
+    failed child with a traceback of its own, and stops the others when one exits), then by it."""
+    run = tmp_path / 'run'
+    run.mkdir()
+    (run / 'ckpt.pt').write_bytes(b'a long run')
+    argv = [os.path.join(HERE, 'train.py'), f'--data_dir={data}', *TINY, '--max_iters=2',
+            f'--out_dir={run}']
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    env = dict(ENV, WORLD_SIZE='2', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, *argv], **pipes,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)]
+    try:
+        err = ''.join(p.communicate(timeout=120)[1] for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+    errors = [line for line in err.splitlines() if line.startswith('error:')]
+    assert [p.returncode for p in procs] == [2, 2] and 'Traceback' not in err, err
+    assert len(errors) == 1 and 'already holds a run' in errors[0], err
+    proc = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                           '--nproc_per_node=2', *argv], env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
+    assert proc.returncode and len(errors) == 1, proc.stderr
+    assert '[rank' not in proc.stderr, proc.stderr            # no rank's traceback
+    assert os.listdir(run) == ['ckpt.pt'] and (run / 'ckpt.pt').read_bytes() == b'a long run'
+
+
+def test_kill9_then_resume_is_bit_identical(data, tmp_path):
+    """kill -9 at an arbitrary step (not at a checkpoint), then --init_from=resume: the weights,
+    the optimizer state and the log equal those of an uninterrupted run, bit for bit."""
+    args = [f'--data_dir={data}', *TINY, '--arch=mixer', '--max_iters=300', '--eval_interval=25',
+            '--log_interval=1']
+    a, b = interrupted_and_resumed(args, tmp_path)
+    assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
+    assert torch.equal(a['optimizer']['state'][0]['exp_avg_sq'],
+                       b['optimizer']['state'][0]['exp_avg_sq'])
+
+
+def test_max_time_is_honoured(data, tmp_path):
+    """--max_time ends the run on time, with a final eval and checkpoint; the lr decays with the
+    time."""
+    t0 = time.time()
+    assert train_run(data, tmp_path, '--max_iters=0', '--max_time=1.5',
+                     '--eval_interval=1000000') == 0
+    last = records(tmp_path, 'val_loss')[-1]
+    assert 1.5 <= last['time'] < 2.5 and time.time() - t0 < 15
+    assert weights(tmp_path)['step'] == last['step'] > 10
+    lrs = [r['lr'] for r in records(tmp_path, 'loss')]
+    assert lrs == sorted(lrs, reverse=True) and lrs[-1] < 0.5e-2
+
+
+def test_divergence_stops_and_keeps_last_checkpoint(data, tmp_path, capsys):
+    assert train_run(data, tmp_path, '--max_iters=10', '--eval_interval=10') == 0
+    before = (tmp_path / 'ckpt.pt').read_bytes()
+    assert train_run(data, tmp_path, '--max_iters=40', '--eval_interval=10', '--lr=1e30',
+                     '--grad_clip=0', '--init_from=resume') == 1
+    err = capsys.readouterr().err
+    # the step it kept
+    assert 'error:' in err and 'step 10' in err and ('nan' in err or 'inf' in err)
+    assert (tmp_path / 'ckpt.pt').read_bytes() == before
+
+
+@pytest.mark.parametrize('preset', sorted(os.listdir(os.path.join(HERE, 'config'))))
+def test_every_preset_names_its_source_and_builds(preset):
+    """A preset names the paper table or section it follows (or says it is not a paper run) and
+    builds."""
+    path = os.path.join(HERE, 'config', preset)
+    doc = ast.get_docstring(ast.parse(open(path).read())) or ''
+    assert re.search(r'Table S?\d|§\d', doc) or doc.startswith('Not a paper run'), doc
+    cfg = train.parse_args([path], train.DEFAULTS, train.CHOICES)
+    ModelConfig(vocab_size=8000, **{k: cfg[k] for k in train.MODEL_KEYS})
+
+
+@pytest.mark.parametrize('arch', ['llama', 'gpt'])
+def test_tinystories_transformer_presets_one_per_lr_source(arch):
+    """Table S6's caption (5e-3) and the author's code with §9.5 (2e-4) disagree: one preset for
+    each, the same run otherwise, each docstring naming the source it follows."""
+    runs, docs = {}, {}
+    for name in (f'tinystories_{arch}', f'tinystories_{arch}_s6'):
+        path = os.path.join(HERE, 'config', name + '.py')
+        docs[name] = ast.get_docstring(ast.parse(open(path).read()))
+        runs[name] = train.parse_args([path], train.DEFAULTS, train.CHOICES)
+    code, s6 = runs[f'tinystories_{arch}'], runs[f'tinystories_{arch}_s6']
+    assert (code['lr'], s6['lr']) == (2e-4, 5e-3) and code['out_dir'] != s6['out_dir']
+    assert {k for k in code if code[k] != s6[k]} == {'lr', 'out_dir'}
+    assert "follows the author's code" in docs[f'tinystories_{arch}']
+    assert "follows Table S6's caption" in docs[f'tinystories_{arch}_s6']
+
+
+def test_lr_schedule():
+    cfg = dict(train.DEFAULTS, lr=1.0, min_lr=0.1, warmup_iters=9)
+    assert train.get_lr(cfg, 0, 0.0) == pytest.approx(0.1) and train.get_lr(cfg, 9, 0.0) == 1.0
+    assert train.get_lr(cfg, 50, 0.5) == pytest.approx(0.55)
+    assert train.get_lr(cfg, 99, 1.0) == pytest.approx(0.1)
+    assert train.get_lr(dict(cfg, schedule='cosine'), 50, 0.5) == pytest.approx(0.55)
+    assert train.get_lr(dict(cfg, schedule='cosine'), 50, 0.25) > train.get_lr(cfg, 50, 0.25)
+
+
+def test_demo_preset_is_a_step_budget_so_its_result_does_not_depend_on_the_machine():
+    """A wall-clock budget trains for fewer steps on a busy machine; a step budget does not."""
+    cfg = configurator.parse_args([os.path.join(HERE, 'config', 'demo.py')], train.DEFAULTS, '')
+    assert cfg['max_time'] == 0 and cfg['max_iters'] > 0
+
+
+def test_step_line_shows_elapsed_time_and_what_is_left(data, tmp_path, monkeypatch, capsys):
+    """Each step line ends with the wall time so far and the training time left, from the step or
+    time budget, whichever ends first. A slow evaluation shows its progress, fast ones do not."""
+    assert train_run(data, tmp_path / 'a', '--max_iters=10', '--eval_interval=10') == 0
+    out, err = capsys.readouterr()
+    assert 'evaluating' not in err
+    monkeypatch.setattr(train, 'EVAL_QUIET_S', 0.0)  # as if every batch took long
+    assert train_run(data, tmp_path / 'b', '--max_iters=2', '--eval_interval=2') == 0
+    assert 'evaluating val: batch 2 of 2' in capsys.readouterr().err
+    lines = [l for l in out.splitlines() if l.startswith('step 5 |')]
+    assert len(lines) == 1 and re.search(r'\| \d+:\d\d elapsed, ~\d+:\d\d left$', lines[0]), lines
+    cfg = dict(max_iters=100, max_time=0.0)
+    assert train.time_left(cfg, 50, 1e3, 2.0) == 100.0                    # steps: 50 at 2 s
+    assert train.time_left({**cfg, 'max_time': 60.0}, 50, 50.0, 2.0) == 10.0   # time ends first
+    assert train.clock(3723) == '1:02:03' and train.clock(59.9) == '0:59'
+
+
+@pytest.mark.parametrize('preset,says', [(None, ['config/demo.py', 'GPU']),
+                                          ('tinystories_mixer', ['python prepare.py tinystories']),
+                                          ('fineweb_llama', ['python prepare.py fineweb-edu'])])
+def test_train_without_arguments_on_a_cpu_names_the_demo(preset, says, tmp_path, monkeypatch,
+                                                         capsys):
+    """The defaults are GPU-sized: on a CPU a bare `python train.py` says what to run instead, at
+    once, rather than training for hours; a preset without its data names its prepare command (run
+    where there is no data, which neither must reach)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    argv = [os.path.join(HERE, 'config', f'{preset}.py')] if preset else []
+    code, _, err = run_main(capsys, 'train', *argv)
+    assert code == 2 and all(w in err for w in says) and not os.listdir(tmp_path), err
+
+
+def test_ctrl_c_says_whether_anything_was_saved(data, tmp_path, monkeypatch, capsys):
+    """Before the first checkpoint nothing can be resumed: the message says to rerun with
+    --overwrite (the folder holds a log); after it, to resume."""
+    evaluate = train.evaluate
+
+    def interrupt_at(step):
+        def fake(cfg, *args):
+            if fake.calls == step:
+                raise KeyboardInterrupt
+            fake.calls += 1
+            return evaluate(cfg, *args)
+        fake.calls = 0
+        return fake
+    monkeypatch.setattr(train, 'evaluate', interrupt_at(0))
+    code, _, err = run_main(capsys, 'train', f'--data_dir={data}', f'--out_dir={tmp_path}', *TINY,
+                            '--max_iters=8', '--eval_interval=4')
+    assert code == 130 and 'nothing was saved' in err and '--overwrite' in err, err
+    assert 'resume' not in err
+    monkeypatch.setattr(train, 'evaluate', interrupt_at(2))    # after step 4's checkpoint
+    code, _, err = run_main(capsys, 'train', f'--data_dir={data}', f'--out_dir={tmp_path}', *TINY,
+                            '--max_iters=8', '--eval_interval=4', '--overwrite')
+    assert code == 130 and '--init_from=resume' in err, err
+
+
+def test_resume_and_fresh_runs_name_the_way_out(data, tmp_path, monkeypatch, capsys):
+    """No checkpoint to resume: start afresh with --overwrite. A folder holding a log but no
+    checkpoint: --overwrite only; one holding a checkpoint: resume or --overwrite, nothing touched.
+    Resuming a spent budget says so at once, naming --max_iters and --max_time, and evaluates
+    nothing again. --overwrite starts the run afresh."""
+    argv = [f'--data_dir={data}', f'--out_dir={tmp_path}', *TINY, '--max_iters=4']
+    refused(capsys, 'train', [*argv, '--init_from=resume'], '--overwrite')
+    (tmp_path / 'log.jsonl').write_text('')
+    code, _, err = run_main(capsys, 'train', *argv)
+    assert code == 2 and '--overwrite' in err and '--init_from=resume' not in err, err
+    assert train_run(data, tmp_path, '--max_iters=4', '--eval_interval=4', '--overwrite') == 0
+    assert '--init_from=resume' in refused(capsys, 'train', argv, '--overwrite', keep=[tmp_path])
+    log = (tmp_path / 'log.jsonl').read_text()
+    monkeypatch.setattr(train, 'evaluate', None)  # would raise if called
+    code, out, err = run_main(capsys, 'train', *argv, '--init_from=resume')
+    assert code == 2 and 'spent' in err and '--max_iters' in err and '--max_time' in err, err
+    assert (tmp_path / 'log.jsonl').read_text() == log
+    monkeypatch.undo()
+    assert train_run(data, tmp_path, '--max_iters=2', '--eval_interval=2', '--overwrite') == 0
+    assert max(r['step'] for r in records(tmp_path, 'loss')) == 2
+    assert weights(tmp_path, 'best.pt')['step'] == 2
+
+
+def test_outputs_default_under_out_which_git_ignores():
+    """Every training output lands in out/, which git ignores, as it does retrieve's runs and index,
+    a downloaded peer's models/ folder and the bench outputs the README names."""
+    assert train.DEFAULTS['out_dir'] == sample.DEFAULTS['out_dir'] == 'out'
+    ignored = [p.strip().lstrip('/') for p in open(os.path.join(HERE, '.gitignore')) if p.strip()]
+    assert 'out*/' in ignored or 'out/' in ignored
+    folders = (retrieve.INDEX['index'], retrieve.TRAIN['out_dir'], retrieve.INDIRECT['out_dir'],
+               'models')
+    for name in [f.split('/')[0] + '/' for f in folders] + ['bench.json', 'bench.png']:
+        assert any(fnmatch.fnmatch(name, p) for p in ignored), name
+
+
+def test_a_batch_two_processes_cannot_share_is_refused_before_any_process_group(data, capsys,
+                                                                                 monkeypatch):
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    refused(capsys, 'train', [f'--data_dir={data}', '--batch_size=3'], 'batch_size')
+
+
+@pytest.mark.parametrize('name,damage',
+                         [('train.bin', lambda b: b[:-64]), ('train.bin', lambda b: b + b'\0'),
+                                         ('meta.json', lambda b: b[:len(b) // 2]),
+                                         ('val_docs.npy', None)])
+def test_data_files_must_agree_with_meta(name, damage, data, tmp_path, capsys):
+    """A truncated or odd-sized token file, a corrupt meta.json, a missing offsets file: each is
+    refused by name."""
+    shutil.copytree(data, tmp_path / 'data')
+    path = tmp_path / 'data' / name
+    path.write_bytes(damage(path.read_bytes())) if damage else path.unlink()
+    refused(capsys, 'train', [f'--data_dir={tmp_path}/data', f'--out_dir={tmp_path}/out', *TINY,
+                              '--max_iters=2', '--batch_mode=documents'],
+            name, keep=[tmp_path / 'data'])
