@@ -28,14 +28,13 @@ import numpy as np
 import torch
 
 from model import (ARCHS, Attention, Backbone, ELiTAAttention, ELiTAFeedForward, GatedMLP, MLP,
-                   Mixing, ModelConfig, SwiGLU, TokenMixing, allowed, build_model, flops_per_token,
-                   measure_peak_flops)
+                   Mixing, ModelConfig, SwiGLU, TokenMixing, allowed, build_model, flops_per_token)
 from configurator import (check_out_dir, check_output_file, int_list, parse_args, run_main,
                           write_atomic)
 from prepare import Tokenizer
 from retrieve import PairBatches, TextEncoder, info_nce
 from sample import compiled_step, decode_layout
-from train import (CHOICES, DEFAULTS as TRAIN_DEFAULTS, autocast, choose_dtype,
+from train import (CHOICES, DEFAULTS as TRAIN_DEFAULTS, autocast, choose_dtype, peak_flops,
                    check_run_dir, configure_optimizer, load_checkpoint, load_meta,
                    model_from_checkpoint, resolve_device)
 
@@ -177,8 +176,8 @@ def training_step_seconds(s, model, batches, loss_fn):
 # ----------------------------------------------------------------------------- throughput
 
 def bench_throughput(s):
-    peak = measure_peak_flops(s.dev, s.torch_dtype)
-    print(f"peak: {peak / 1e9:.0f} GFLOP/s (best {s.dtype} square matmul on {s.device})")
+    peak = peak_flops(s.dev, s.torch_dtype)
+    print(f"peak: {peak / 1e9:.0f} GFLOP/s ({s.dtype} on {s.device}: train.peak_flops)")
     gen = torch.Generator().manual_seed(s.seed)
     for cfg in grid(s):
         xy = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx + 1), generator=gen)

@@ -20,7 +20,6 @@ Conventions
 - Language models return (logits, loss): logits (B, T, vocab_size), loss a scalar or None.
 """
 import math
-import time
 from dataclasses import dataclass
 
 import torch
@@ -225,6 +224,7 @@ class Cache(dict):
         old, end = self.get(key) if pos else None, pos + x.shape[2]
         if torch.is_grad_enabled() or (old is not None and len(old) != len(x)):
             # concatenate: no in-place writes under autograd; a batch-1 prefix serves every row
+            # (retrieve.trimmed_hidden's shared pad prefix)
             if old is not None:
                 x = torch.cat([old[:, :, :pos].expand(len(x), -1, -1, -1), x], 2)
             self[key] = x
@@ -304,9 +304,6 @@ class Backbone(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, direction) for _ in range(cfg.n_layers))
         # the paper's mixer and GPT-1 have no final norm
         self.norm = nn.Identity() if cfg.arch in ('mixer', 'gpt') else norm_layer(cfg)
-        # hidden(keep) may skip pad columns: causal mixings share them, RoPE attention drops them
-        self.trims = embed and cfg.objective != 'half' and (
-            cfg.arch == 'llama' or (cfg.arch in ('mixer', 'gmlp') and direction == 'causal'))
 
     def forward(self, x, pos=0, cache=None, mask=None):  # idx (B, T) or embeddings (B, T, d)
         if self.wte is not None:
@@ -328,23 +325,6 @@ class Backbone(nn.Module):
             if cfg.pos_channel == 'every':
                 x = torch.cat((x[..., :-1], centred), dim=-1)
         return self.norm(x)[..., :cfg.d_model]  # the position channel is not a feature
-
-    def hidden(self, idx, mask=None, keep=None):
-        """Hidden states (B, T, d) of idx, or of its last `keep` positions only, exactly, without
-        spending rows on the first T - keep columns, which must be the same padding in every
-        row. Causal mixers: those columns are one batch-1 prefill of a Cache whose state every
-        row reads. Llama: pad keys are masked and RoPE is relative, so they are dropped."""
-        cut = 0 if keep is None else idx.shape[1] - keep
-        if cut <= 0 or not self.trims or (mask is None and self.cfg.arch == 'llama'):
-            return self(idx, mask=mask)[:, max(cut, 0):]
-        if (mask is not None and mask[:, :cut].any()) or not (idx[:, :cut] == idx[:1, :cut]).all():
-            raise ValueError(f"hidden(keep={keep}): the first {cut} columns must be the same "
-                             f"padding in every row")
-        if self.cfg.arch == 'llama':
-            return self(idx[:, cut:], mask=None if mask is None else mask[:, cut:])
-        cache = Cache(self.cfg.n_ctx)
-        self(idx[:1, :cut], 0, cache)                         # the pad prefix, once
-        return self(idx[:, cut:], cut, cache)
 
 
 def check_tokens(idx, vocab_size, pos=0):  # -> idx (B, T), its ids in [0, vocab_size)
@@ -391,9 +371,9 @@ class LanguageModel(nn.Module):
                 loss = loss + lm_loss(logits2[:, :-1], targets[:, 1:])
         return logits, loss
 
-    def hidden(self, idx, mask=None, keep=None):
-        """Last hidden states (B, T, d_model), the lm head's input (keep: Backbone.hidden)."""
-        return self.backbone.hidden(idx, mask, keep)
+    def hidden(self, idx, mask=None):
+        """Last hidden states (B, T, d_model), the lm head's input."""
+        return self.backbone(idx, mask=mask)
 
     def step(self, idx, pos, cache):
         """Logits (B, vocab) after idx (B, T) at window positions [pos, pos + T), reading and
@@ -687,9 +667,9 @@ class Autoencoder(nn.Module):
         self.decoder = Backbone(cfg, embed=False)
         add_lm_head(self, cfg, self.encoder.wte)
 
-    def hidden(self, idx, mask=None, keep=None):
+    def hidden(self, idx, mask=None):
         """Encoder hidden states (B, T, d_model); its last position is the sequence embedding."""
-        return self.encoder.hidden(idx, mask, keep)
+        return self.encoder(idx, mask=mask)
 
     def encode(self, idx, mask=None):  # (B, T) -> (B, d_model)
         return self.hidden(idx, mask)[:, -1]
@@ -754,31 +734,3 @@ def flops_per_token(cfg):
         idx = torch.zeros(1, cfg.n_ctx, dtype=torch.long)
         model(idx, targets=idx)
     return sum(flops) / cfg.n_ctx
-
-
-def measure_peak_flops(device='cpu', dtype=torch.float32, budget=0.25):
-    """MFU's denominator: the best FLOP/s of a square matmul in dtype. The size doubles from
-    128 (up to 4096) while the next fits in what is left of `budget` seconds, so the probe is
-    quick on a GPU and on a CPU that emulates bf16 alike. On a CPU one thread is timed and scaled
-    by the thread count: small matmuls on several threads measure wake-ups, not arithmetic."""
-    cuda = torch.device(device).type == 'cuda'
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    threads = torch.get_num_threads()
-    deadline, best, n = time.perf_counter() + budget, 0.0, 128
-    torch.set_num_threads(threads if cuda else 1)
-    try:
-        while True:
-            a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-            dt = float('inf')
-            for _ in range(4):  # the first run warms up; keep the best of all
-                sync()
-                t0 = time.perf_counter()
-                a @ b
-                sync()
-                dt = min(dt, time.perf_counter() - t0)
-            best = max(best, 2 * n ** 3 / dt)
-            if n >= 4096 or time.perf_counter() + 4 * 8 * dt > deadline:  # 2n costs 8x
-                return best * (1 if cuda else threads)
-            n *= 2
-    finally:
-        torch.set_num_threads(threads)

@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import train
-from model import RetrievalMixer
+from model import Cache, RetrievalMixer
 from configurator import (check_out_dir, check_output_file, int_list, parse_args, read_text_file,
                           run_main, write_atomic)
 from prepare import Tokenizer, check_online, visible_files
@@ -145,22 +145,52 @@ def left_pad(seqs, n_ctx, pad_id):
     return idx, torch.arange(n_ctx) >= n_ctx - lengths[:, None]
 
 
-def length_groups(lengths, overhead):
-    """Rows sorted by length and cut into runs minimising sum(rows x longest + overhead), by
-    dynamic programming, so short queries are not padded to the longest target of their batch.
-    Returns the order (B,) and the (start, end) of each run in it."""
+def trimmable(cfg):
+    """Whether trimmed_hidden skips a model's pad columns (its docstring says why it is exact)."""
+    return cfg.objective in ('clm', 'mtp2', 'autoencoder') and (
+        cfg.arch == 'llama' or cfg.arch in ('mixer', 'gmlp') and cfg.causal)
+
+
+def trimmed_hidden(model, idx, mask, at):
+    """The last hidden states at window position `at` (B, d_model) of left-padded rows idx
+    (B, n_ctx), equal to a full forward's, for less compute: the rows are sorted by length and cut
+    into groups (by dynamic programming: least sum of rows x longest + n_ctx per group), and each
+    group runs on its own real columns. Why dropping a group's pad prefix is exact (`trimmable`):
+    - a causal masked mixer (mixer, gmlp) reads the pad columns only through their states, which
+      are the same in every row (the same pad token at the same positions, unmasked: a masked
+      mixer ignores the mask): one batch-1 pass over them fills a Cache whose rows every sequence
+      of the group reads (Cache.extend concatenates them, so gradients flow through the prefix);
+    - llama masks pad keys out of attention and RoPE depends on relative positions only, so the
+      pad columns are dropped outright.
+    InfoNCE on short texts in long windows (most columns pad) is what this makes feasible."""
+    backbone, n = getattr(model, 'backbone', None) or model.encoder, idx.shape[1]
+    at %= n
+    lengths = mask.sum(1).clamp(min=n - at).cpu()      # a group keeps the columns from `at` on
     order = torch.argsort(lengths)
-    l = lengths[order].double().numpy()
-    best, cut = np.zeros(len(l) + 1), np.zeros(len(l) + 1, dtype=np.int64)
-    for j in range(1, len(l) + 1):   # best[j]: rows [0, j) grouped; the last run starts at cut[j]
-        cost = best[:j] + (j - np.arange(j)) * l[j - 1] + overhead
-        cut[j] = int(cost.argmin())
-        best[j] = cost[cut[j]]
-    runs, j = [], len(l)
-    while j:
-        runs.append((int(cut[j]), j))
-        j = cut[j]
-    return order, runs[::-1]
+    longest = lengths[order].double().numpy()
+    best, start = np.zeros(len(idx) + 1), np.zeros(len(idx) + 1, dtype=np.int64)
+    for j in range(1, len(idx) + 1):   # best[j]: rows [0, j) grouped; the last group from start[j]
+        cost = best[:j] + (j - np.arange(j)) * longest[j - 1] + n
+        start[j] = int(cost.argmin())
+        best[j] = cost[start[j]]
+    ends = [len(idx)]
+    while ends[0]:
+        ends.insert(0, int(start[ends[0]]))
+    order, h = order.to(idx.device), []
+    for a, b in zip(ends, ends[1:]):
+        x, m = idx[order[a:b]], mask[order[a:b]]
+        cut = n - int(longest[b - 1])                    # the group's shared pad columns
+        assert not m[:, :cut].any() and (x[:, :cut] == x[:1, :cut]).all(), "pad the left alike"
+        if cut == 0:
+            out = backbone(x, mask=m)
+        elif model.cfg.arch == 'llama':
+            out = backbone(x[:, cut:], mask=m[:, cut:])
+        else:
+            cache = Cache(n)
+            backbone(x[:1, :cut], 0, cache)              # the pad prefix, once
+            out = backbone(x[:, cut:], cut, cache)
+        h.append(out[:, at - n])                         # (b - a, d_model)
+    return torch.cat(h)[torch.argsort(order)]            # back to the batch's order
 
 
 class TextEncoder(nn.Module):
@@ -168,32 +198,22 @@ class TextEncoder(nn.Module):
     rows, the last hidden state at window position embed_pos (normalize=False: raw). Left padding
     puts every text's last token at -1, a position a masked mixer (a weight per position) was
     trained on (the paper read -2: its models shifted targets inside and never trained the last).
-    trim: rows grouped by length, each group run on its own real columns (model.hidden's keep):
-    the full window's embeddings for less compute. Its state_dict is the model's."""
+    trim: pad columns skipped where that is exact (trimmed_hidden). Its state_dict is the model's."""
 
     def __init__(self, model, embed_pos=-1, trim=True, normalize=True):
         super().__init__()
         self.model, self.embed_pos, self.normalize = model, embed_pos, normalize
-        backbone = getattr(model, 'backbone', getattr(model, 'encoder', None))
-        self.trim = trim and getattr(backbone, 'trims', False)
+        self.trim = trim and trimmable(model.cfg)
         if not -model.cfg.n_ctx <= embed_pos < model.cfg.n_ctx:
             raise ValueError(f"embed_pos={embed_pos} is outside the n_ctx={model.cfg.n_ctx} "
                              f"window: use -1 or -2")
 
     def forward(self, idx, mask):
-        unit = F.normalize if self.normalize else lambda h, dim: h   # raw: indirect's inputs
-        if not self.trim:
-            return unit(self.model.hidden(idx, mask)[:, self.embed_pos].float(), dim=-1)
-        n = idx.shape[1]
-        at = self.embed_pos % n                                   # the embedding's window position
-        order, runs = length_groups(mask.sum(1).clamp(min=n - at).cpu(), overhead=n)
-        order, h = order.to(idx.device), []
-        for a, b in runs:
-            rows = order[a:b]
-            keep = max(n - at, int(mask[rows].sum(1).max()))   # the group's longest real columns
-            h.append(self.model.hidden(idx[rows], mask[rows], keep)[:, at - n])  # (b-a, d_model)
-        h = torch.cat(h)[torch.argsort(order)]                    # back to the batch's order
-        return unit(h.float(), dim=-1)
+        if self.trim:
+            h = trimmed_hidden(self.model, idx, mask, self.embed_pos)
+        else:
+            h = self.model.hidden(idx, mask)[:, self.embed_pos]
+        return F.normalize(h.float(), dim=-1) if self.normalize else h.float()
 
     def state_dict(self, *args, **kwargs):
         return self.model.state_dict(*args, **kwargs)
@@ -225,7 +245,7 @@ class Embedder:
             h.update(weights[name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
         self.path, self.fingerprint = os.path.abspath(ckpt_path), h.hexdigest()[:16]
         self.device = train.resolve_device(str(device))
-        self.dtype, _ = train.reading_dtype(self.device, dtype, ckpt.get('dtype'))  # not emulated
+        self.dtype, _ = train.choose_dtype(self.device, dtype, ckpt.get('dtype'), reading=True)
         self.batch_size, self.progress = batch_size, True
         self.encoder.to(self.device).eval()
         self.n_ctx, self.d_model = self.encoder.model.cfg.n_ctx, self.encoder.model.cfg.d_model

@@ -20,7 +20,7 @@ import torch
 
 import prepare
 from configurator import parse_args, read_text_file, run_main
-from train import CHOICES, load_checkpoint, model_from_checkpoint, reading_dtype, resolve_device
+from train import CHOICES, choose_dtype, load_checkpoint, model_from_checkpoint, resolve_device
 
 DEFAULTS = dict(
     out_dir='out',          # train.py's out_dir: samples from best.pt, else ckpt.pt
@@ -73,10 +73,7 @@ def load(path, device, requested='auto'):
     except ValueError as e:
         raise ValueError(f"{e}: {path} reads its tokenizer from the data_dir it was trained on; "
                          f"prepare that data again there") from None
-    if requested == 'auto' and device.type == 'cpu':  # one dtype for both methods: same text
-        dtype, why = torch.float32, 'a CPU decodes in fp32 (bf16 GEMVs are slower)'
-    else:  # the checkpoint's dtype where the device has it natively
-        dtype, why = reading_dtype(device, requested, ckpt.get('dtype'))
+    dtype, why = choose_dtype(device, requested, ckpt.get('dtype'), reading=True)
     return decode_layout(model_from_checkpoint(ckpt).to(device, dtype)), tok, why
 
 

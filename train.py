@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import ModelConfig, build_model, flops_per_token, measure_peak_flops, objective_targets
+from model import ModelConfig, build_model, flops_per_token, objective_targets
 from configurator import check_out_dir, parse_args, run_main, write_atomic
 from prepare import DATASETS, SPLITS
 
@@ -83,60 +83,38 @@ def check_loop(cfg):
 # ----------------------------------------------------------------------------- device, dtype, DDP
 
 # Dense bf16/fp16 tensor-core peaks from NVIDIA datasheets (TFLOP/s, first match in this order);
-# other GPUs, and float32, are measured.
+# other GPUs, CPUs and float32 are measured (peak_flops).
 GPU_PEAK_TFLOPS = {'H200': 989, 'H100 PCIe': 756, 'H100': 989, 'A100': 312, 'L40S': 362,
                    'V100': 125}
-NO_BF16_ENV = 'NANOMIXER_NO_BF16'  # =1: act as a CPU without native bf16 (tests the fallback)
+NO_BF16_ENV = 'NANOMIXER_NO_BF16'  # set: act as a CPU without native bf16 (tests the fallback)
 
 
-def cpu_bf16():
-    """(native bf16?, why) for this CPU: without AVX512-BF16/AMX (or Arm's BF16) oneDNN emulates
-    it ~500x slower than fp32. A capability query, not a timing: load cannot flip the answer."""
-    if os.environ.get(NO_BF16_ENV, '') not in ('', '0'):
-        return False, f"native bf16 switched off by {NO_BF16_ENV}"
-    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    cap = torch.backends.cpu.get_cpu_capability()
-    return native, f"{'native' if native else 'no native'} bf16 on this CPU: {cap}"
-
-
-def choose_dtype(device, requested='auto', recorded=None):
-    """(torch dtype, why) for autocast: as asked, else the dtype a resumed run `recorded`, else
-    bf16 where native, fp16 on a GPU without bf16 (with a GradScaler), float32 on other CPUs."""
+def choose_dtype(device, requested='auto', recorded=None, reading=False):
+    """The one dtype rule, as (torch dtype, why). An explicit --dtype is used as asked (bf16 that
+    this CPU would emulate, hundreds of times slower, is warned). auto: a resumed run keeps the
+    dtype it `recorded` where this device runs it natively; a new run takes bf16 on a GPU that
+    has it (else fp16, with a GradScaler), bf16 on a CPU with native bf16 (AVX512-BF16, AMX),
+    else float32. Reading a checkpoint (reading=True: sample.py, retrieve.py) is float32 on a CPU
+    and the recorded dtype on CUDA."""
     cuda = device.type == 'cuda'
-    if requested == 'auto' and recorded:
-        if recorded == 'float16' and not cuda:
-            raise ValueError("this run was trained in float16 on a CUDA GPU: to go on on a CPU, "
-                             "pass --dtype=float32 (or bfloat16)")
-        dtype, why = choose_dtype(device, recorded)
-        return dtype, "recorded by the run it resumes" + (f"; {why}" if why != 'as asked' else '')
-    if requested == 'float16' and not cuda:
-        raise ValueError("--dtype=float16 is for CUDA GPUs (with a GradScaler): on a CPU use auto, "
-                         "bfloat16 or float32")
-    native, why = (torch.cuda.is_bf16_supported(), "this GPU has bf16") if cuda else cpu_bf16()
-    if requested in ('auto', 'bfloat16') and cuda and not native:
-        return torch.float16, "no bf16 on this GPU: fp16 with a GradScaler"
-    if requested == 'bfloat16' and not native:
-        print(f"warning: bfloat16 on a CPU without native bf16 ({why}): matmuls are emulated, "
-              f"hundreds of times slower than float32; ask for --dtype=float32", file=sys.stderr)
-    if requested == 'auto':
-        return (torch.bfloat16 if native else torch.float32), why
-    if recorded and recorded != requested:
-        return getattr(torch, requested), f"as asked; the run it resumes was trained in {recorded}"
-    return getattr(torch, requested), "as asked"
-
-
-def reading_dtype(device, requested='auto', recorded=None):
-    """(torch dtype, why) to run a trained checkpoint (sample.py, retrieve.py). auto: the dtype it
-    was trained in (`recorded`) where this device has it natively, else float32, never one the
-    device would emulate; checkpoints that record none: choose_dtype's auto."""
-    if requested != 'auto' or not recorded:
-        return choose_dtype(device, requested)
-    cuda = device.type == 'cuda'
-    native = {'float32': True, 'float16': cuda,
-              'bfloat16': torch.cuda.is_bf16_supported() if cuda else cpu_bf16()[0]}
+    cpu_native = torch.ops.mkldnn._is_mkldnn_bf16_supported() and not os.environ.get(NO_BF16_ENV)
+    native = dict(float32=True, float16=cuda,
+                  bfloat16=torch.cuda.is_bf16_supported() if cuda else cpu_native)
+    if requested != 'auto':
+        if not native[requested]:
+            print(f"warning: --dtype={requested} is emulated on this {device.type}: hundreds of "
+                  f"times slower than float32 (--dtype=float32)", file=sys.stderr)
+        return getattr(torch, requested), 'as asked'
+    if reading and not cuda:
+        return torch.float32, 'a CPU reads checkpoints in float32'
     if native.get(recorded):
-        return getattr(torch, recorded), f"the checkpoint's {recorded}"
-    return torch.float32, f"the checkpoint's {recorded} is not native here"
+        return getattr(torch, recorded), f'the {recorded} of the run it continues'
+    if cuda:
+        fp16 = torch.float16, 'fp16 with a GradScaler: this GPU has no bf16'
+        return (torch.bfloat16, 'bf16 on this GPU') if native['bfloat16'] else fp16
+    cap = torch.backends.cpu.get_cpu_capability()
+    fp32 = torch.float32, f'no native bf16 on this CPU ({cap})'
+    return (torch.bfloat16, f'native bf16 on this CPU ({cap})') if native['bfloat16'] else fp32
 
 
 def resolve_device(name):
@@ -167,12 +145,42 @@ def autocast(device, dtype):
 
 
 @functools.cache
-def peak_flops(device, dtype):
-    """MFU denominator for the dtype in use: the datasheet peak of a known GPU, else a short
-    measured matmul (model.measure_peak_flops, about a quarter of a second, once per process)."""
-    name = torch.cuda.get_device_name(device) if device.type == 'cuda' else ''
+def peak_flops(device, dtype, budget=0.25):
+    """MFU's denominator, its one definition (train.py's log and bench.py throughput): the
+    datasheet peak of a known GPU in bf16/fp16, else the best FLOP/s of a square matmul in dtype,
+    measured once per process: the size doubles from 128 (up to 4096) while the next fits in what
+    is left of `budget` seconds. On a CPU one thread is timed and scaled by the thread count:
+    small matmuls on several threads measure wake-ups, not arithmetic."""
+    cuda = device.type == 'cuda'
+    name = torch.cuda.get_device_name(device) if cuda else ''
     table = [v for k, v in GPU_PEAK_TFLOPS.items() if k in name and dtype != torch.float32]
-    return table[0] * 1e12 if table else measure_peak_flops(device, dtype)
+    if table:
+        return table[0] * 1e12
+    threads = torch.get_num_threads()
+    deadline, best, n = time.perf_counter() + budget, 0.0, 128
+    torch.set_num_threads(threads if cuda else 1)
+    try:
+        while True:
+            a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+            dt = float('inf')
+            for _ in range(4):  # the first run warms up; keep the best of all
+                sync(device)
+                t0 = time.perf_counter()
+                a @ b
+                sync(device)
+                dt = min(dt, time.perf_counter() - t0)
+            best = max(best, 2 * n ** 3 / dt)
+            if n >= 4096 or time.perf_counter() + 4 * 8 * dt > deadline:  # 2n costs 8x
+                return best * (1 if cuda else threads)
+            n *= 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+def sync(device):
+    """Wait for the GPU's queued work, so that a clock reads what it did."""
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
 
 
 @dataclass

@@ -102,7 +102,6 @@ REFUSALS = [
         ('eval_iters', 0), ('batch_size', 0), ('lr', 'nan'), ('min_lr', 1), ('n_ctx', 1),
         ('seed', -1)]],
     ('train', [*TRAIN, '--device=gpu0'], 'gpu0'),
-    ('train', [*TRAIN, '--dtype=float16', '--device=cpu'], 'float16'),
     *[('sample', [*SAMPLE, f'--{k}={v}'], k) for k, v in [
         ('temperature', -1), ('temperature', 'nan'), ('temperature', 1e-45), ('top_k', 0),
         ('top_p', 0), ('top_p', 1.5), ('num_samples', 0)]],

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import model as M, prepare, retrieve, train
 from prepare import Tokenizer
-from tests.conftest import (V, N, name, tiny, make, records, weights, run_main, refused,
+from tests.conftest import (V, name, tiny, make, records, weights, run_main, refused,
                             without_paths, torchrun, PAIR_WORDS, pair_texts, write_pairs)
 
 
@@ -101,17 +101,6 @@ def test_trimmed_padding_equals_the_full_window(variant, embed_pos):
         and variant.get('causal', True) and variant.get('objective') != 'half'
     assert retrieve.TextEncoder(model, embed_pos).trim == trims
     assert rows0 == 8 * n and (rows1 < 8 * 17 if trims else rows1 == rows0), (rows0, rows1)
-
-
-def test_tail_refuses_real_tokens_in_the_dropped_columns():
-    model = make(tiny())
-    idx, mask = retrieve.left_pad([[5, 6, 7], [8] * 6], N, 3)
-    torch.testing.assert_close(model.hidden(idx, mask, keep=6), model.hidden(idx, mask)[:, -6:])
-    with pytest.raises(ValueError, match='padding'):
-        model.hidden(idx, mask, keep=4)
-    idx[1, 0] = 9                                        # not the same pad id in every row
-    with pytest.raises(ValueError, match='padding'):
-        model.hidden(idx, None, keep=6)
 
 
 def chi2(labels, k):

@@ -53,33 +53,30 @@ def test_document_batches(data, padding):
         assert torch.equal(x[row, real[1:]], y[row, real[:-1]])  # targets are the next tokens
 
 
-def test_auto_dtype_falls_back_to_float32_without_native_bf16(monkeypatch, capsys):
-    """Both fallback paths, forced so that every machine tests them: NANOMIXER_NO_BF16, and a CPU
-    without native bf16 (AVX2-only, mocked). An explicit bfloat16 wins, with a warning."""
-    monkeypatch.setenv(train.NO_BF16_ENV, '1')
-    dtype, why = train.choose_dtype(torch.device('cpu'), 'auto')
-    assert dtype == torch.float32 and train.NO_BF16_ENV in why
-    cpu_kind(monkeypatch, native=False)
-    assert train.choose_dtype(torch.device('cpu'), 'auto') == (torch.float32, train.cpu_bf16()[1])
-    assert 'bf16' in train.cpu_bf16()[1]
-    dtype, _ = train.choose_dtype(torch.device('cpu'), 'bfloat16')
-    assert dtype == torch.bfloat16 and 'emulated' in capsys.readouterr().err
-    with pytest.raises(ValueError, match='float16'):
-        train.choose_dtype(torch.device('cpu'), 'float16')
+CPU, GPU = torch.device('cpu'), torch.device('cuda')
+F32, B16, F16 = torch.float32, torch.bfloat16, torch.float16
+DTYPE_RULE = [  # device, native bf16?, --dtype, the checkpoint's dtype, reading it? -> dtype
+    (CPU, False, 'auto', None, False, F32), (CPU, True, 'auto', None, False, B16),
+    (GPU, True, 'auto', None, False, B16), (GPU, False, 'auto', None, False, F16),
+    (CPU, False, 'bfloat16', None, False, B16),          # asked for: used (and warned, below)
+    (CPU, True, 'auto', 'float32', False, F32),          # a resume keeps its dtype ...
+    (CPU, False, 'auto', 'bfloat16', False, F32),        # ... where the device runs it natively
+    (GPU, True, 'auto', 'float16', False, F16),
+    (CPU, True, 'auto', 'bfloat16', True, F32),          # reading a checkpoint: fp32 on a CPU
+    (GPU, True, 'auto', 'float32', True, F32), (GPU, False, 'auto', 'float16', True, F16),
+]
 
 
-def test_auto_dtype_picks_bf16_where_it_is_native(monkeypatch):
-    """On a CPU the capability query decides, with no timing that a busy machine could flip; on
-    CUDA bf16 where supported, else fp16."""
-    cpu_kind(monkeypatch, native=True)
-    monkeypatch.setattr(torch, 'randn', None)  # no timing probe runs: one would need random inputs
-    assert train.choose_dtype(torch.device('cpu'), 'auto')[0] == torch.bfloat16
-    monkeypatch.undo()
-    for has_bf16, expected in ((True, torch.bfloat16), (False, torch.float16)):     # CUDA, mocked
-        monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: has_bf16)
-        assert train.choose_dtype(torch.device('cuda'), 'auto')[0] == expected
-        # asked, but none: fp16
-        assert train.choose_dtype(torch.device('cuda'), 'bfloat16')[0] == expected
+@pytest.mark.parametrize('device,native,requested,recorded,reading,want', DTYPE_RULE)
+def test_the_dtype_rule(device, native, requested, recorded, reading, want, monkeypatch, capsys):
+    """train.choose_dtype on either CPU kind (the capability query mocked, no timing a busy
+    machine could flip) and on a GPU with or without bf16 (mocked)."""
+    cpu_kind(monkeypatch, native)
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: native)
+    assert train.choose_dtype(device, requested, recorded, reading)[0] == want
+    assert ('emulated' in capsys.readouterr().err) == (requested == 'bfloat16' and not native)
+    monkeypatch.setenv(train.NO_BF16_ENV, '1')  # the switch that tests the fallback everywhere
+    assert train.choose_dtype(CPU)[0] == F32
 
 
 def test_resume_keeps_the_recorded_dtype(data, tmp_path, monkeypatch, capsys):
@@ -94,7 +91,7 @@ def test_resume_keeps_the_recorded_dtype(data, tmp_path, monkeypatch, capsys):
         capsys.readouterr()
         resume = ['--max_iters=8', '--eval_interval=4', '--init_from=resume']
         assert train_run(data, tmp_path / out, *resume) == 0
-        assert 'cpu float32 (recorded by the run it resumes)' in capsys.readouterr().out
+        assert 'cpu float32 (the float32 of the run it continues)' in capsys.readouterr().out
     a, b = weights(tmp_path / 'a'), weights(tmp_path / 'b')
     assert a['step'] == b['step'] == 8 and b['dtype'] == 'float32'
     assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
@@ -102,7 +99,7 @@ def test_resume_keeps_the_recorded_dtype(data, tmp_path, monkeypatch, capsys):
     assert train_run(data, tmp_path / 'b', '--max_iters=9', '--init_from=resume',
                      '--dtype=bfloat16') == 0
     out = capsys.readouterr()
-    assert 'cpu bfloat16 (as asked; the run it resumes was trained in float32)' in out.out
+    assert 'cpu bfloat16 (as asked)' in out.out
     assert 'emulated' in out.err and weights(tmp_path / 'b')['dtype'] == 'bfloat16'
 
 
