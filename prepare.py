@@ -12,8 +12,8 @@ when the dataset has pairs, and meta.json. Files are written under .tmp names an
 complete; meta.json goes last and holds a fingerprint of the inputs and options, so an unchanged
 rerun does nothing.
 """
-import ast, codecs, collections, glob, hashlib, io, json, multiprocessing, os, platform, re
-import shutil, socket, sys, sysconfig, textwrap, time
+import ast, glob, hashlib, io, json, os, platform, re, shutil, socket, sys, sysconfig
+import textwrap, time
 from itertools import chain, islice
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,7 +29,7 @@ from configurator import check_out_dir, parse_args, run_main, write_atomic
 
 FORMAT = 1                   # bump when outputs change meaning, so older folders are rebuilt
 TOKENIZER_SAMPLE = 32 << 20  # bytes of training text the BPE tokenizer learns from (about 5 s)
-JOB_DOCS = 64                # documents per encoding job
+BATCH_DOCS = 1024            # documents tokenized at once
 EOT = '<|endoftext|>'        # a line holding only this separates documents (TinyStories, text)
 SPLITS = ('train', 'val')
 OUTPUTS = ('train.bin', 'val.bin', 'train_docs.npy', 'val_docs.npy', 'tokenizer.model',
@@ -72,27 +72,18 @@ class Tokenizer:
             try:
                 self.enc = tiktoken.get_encoding(name)
             except Exception as e:  # the first use downloads the vocabulary
-                raise ValueError(f"tiktoken could not fetch the {name!r} vocabulary "
-                                 f"({type(e).__name__}): run once with network access (it is then "
-                                 f"cached in $TIKTOKEN_CACHE_DIR) or use a .model file")
+                raise ValueError(f"tiktoken could not fetch {name!r} ({type(e).__name__}): run "
+                                 f"once online (it is then cached) or use a .model file")
             self.vocab_size = self.enc.n_vocab
             self.bos_id = self.eos_id = self.pad_id = self.enc.eot_token  # GPT's one <|endoftext|>
-        elif spec['kind'] != 'sentencepiece':
-            raise ValueError(f"unknown tokenizer kind {spec['kind']!r}")
         else:
             path = os.path.join(data_dir, spec['path'])
-            if not os.path.isfile(path):
-                raise ValueError(f'tokenizer model {path} not found')
+            assert os.path.isfile(path), f'tokenizer model {path} not found: prepare the data again'
             self.enc, self.sp = None, spm.SentencePieceProcessor(model_file=path)
             self.vocab_size = self.sp.get_piece_size()
             self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
             self.pad_id = self.sp.pad_id() if self.sp.pad_id() >= 0 else self.eos_id
-            if min(self.bos_id, self.eos_id) < 0:
-                raise ValueError(f'tokenizer model {path} has no BOS/EOS pieces')
-            # no piece holds a line break, so lines encode independently (1.5x faster)
-            pieces = map(self.sp.id_to_piece, range(self.vocab_size))
-            self.by_line = all(''.join(p.splitlines()) == p for p in pieces)
-        self.specials = [self.bos_id, self.eos_id, self.pad_id]
+            assert min(self.bos_id, self.eos_id) >= 0, f'tokenizer model {path} has no BOS/EOS'
 
     @classmethod
     def from_meta(cls, meta, data_dir):
@@ -106,21 +97,17 @@ class Tokenizer:
         return cls.from_meta(json.loads(Path(path).read_text()), data_dir)
 
     def encode(self, text, bos=False, eos=False):
-        if self.enc:
-            ids = self.enc.encode_ordinary(text)  # text that looks like a special token stays text
-        elif self.by_line:
-            ids = list(chain.from_iterable(self.sp.encode(text.splitlines(True))))
-        else:
-            ids = self.sp.encode(text)
+        # (tiktoken's ordinary encoding: text that looks like a special token stays text)
+        ids = self.enc.encode_ordinary(text) if self.enc else self.sp.encode(text)
         return [self.bos_id] * bos + ids + [self.eos_id] * eos
 
     def encode_batch(self, texts):
-        texts = list(texts)
+        """Each text's ids, without BOS and EOS, encoded on several threads by the library."""
         return self.enc.encode_ordinary_batch(texts) if self.enc else self.sp.encode(texts)
 
     def decode(self, ids):
         ids = np.asarray(ids, dtype=np.int64)
-        ids = ids[~np.isin(ids, self.specials)].tolist()
+        ids = ids[~np.isin(ids, [self.bos_id, self.eos_id, self.pad_id])].tolist()
         return self.enc.decode(ids) if self.enc else self.sp.decode(ids)
 
 
@@ -135,19 +122,10 @@ def split_of(key, val_share):
     return 'val' if bucket < val_share * 10000 else 'train'
 
 
-def count_replace(e):  # errors='replace', counted for the warning
-    count_replace.runs += 1
-    return '\ufffd', e.end
-
-
-count_replace.runs, WARNED = 0, set()  # undecodable byte runs met so far; files warned about
-codecs.register_error('count-replace', count_replace)
-
-
 def eot_documents(path):
     """A text file's documents, cut at <|endoftext|> lines; bytes not UTF-8 become U+FFFD."""
-    lines, replaced = [], count_replace.runs
-    with open(path, encoding='utf-8', errors='count-replace') as f:
+    lines = []
+    with open(path, encoding='utf-8', errors='replace') as f:
         for line in f:
             if line.strip() == EOT:
                 yield ''.join(lines)
@@ -155,11 +133,6 @@ def eot_documents(path):
             else:
                 lines.append(line)
     yield ''.join(lines)
-    if (runs := count_replace.runs - replaced) and path not in WARNED:
-        WARNED.add(path)
-        tqdm.write(f'warning: {path} is not UTF-8 text: its {runs} undecodable byte run(s) became '
-                   f'U+FFFD; convert it first (e.g. iconv -f latin1 -t utf-8) to keep them',
-                   file=sys.stderr)
 
 
 def visible_files(folder, skip=()):
@@ -180,24 +153,19 @@ def stdlib_files():
 
 
 def text_files(patterns, out_dir):
-    """--input's files as (the folder they share, paths within it); out_dir's (earlier outputs)
-    left out."""
+    """--input's files as (the folder they share, paths within it), out_dir's own left out."""
     files = []
     for pattern in patterns:
-        is_glob = any(c in pattern for c in '*?[')
-        matches = sorted(glob.glob(pattern, recursive=True)) if is_glob else [pattern]
-        if not matches or not all(map(os.path.exists, matches)):
+        matches = sorted(glob.glob(pattern, recursive=True))
+        if not matches:
             raise ValueError(f'--input {pattern!r} matches no files')
         for m in matches:
             files += visible_files(m) if os.path.isdir(m) else [m]
-    out_dir = os.path.abspath(out_dir)
+    out_dir = os.path.abspath(out_dir)  # earlier outputs are not input
     files = [f for f in map(os.path.abspath, dict.fromkeys(files))
              if os.path.commonpath([f, out_dir]) != out_dir]
     if not files:
-        raise ValueError(f"--input {' '.join(patterns)} holds no files (outside --out_dir "
-                         f"{out_dir})")
-    if unreadable := [f for f in files if not os.access(f, os.R_OK)]:
-        raise ValueError(f'cannot read --input file {unreadable[0]}')
+        raise ValueError(f"--input {','.join(patterns)} holds no files outside --out_dir")
     root = os.path.commonpath([os.path.dirname(f) for f in files])
     return root, [os.path.relpath(f, root).replace(os.sep, '/') for f in files]
 
@@ -205,11 +173,15 @@ def text_files(patterns, out_dir):
 def local_documents(args, val_share):
     """pystdlib (one document per module) and text (files, cut at <|endoftext|> lines)."""
     if args.dataset == 'pystdlib':
-        (root, rels), source = stdlib_files(), {'python': platform.python_version()}
+        root, rels = stdlib_files()
+        source = {'python': platform.python_version()}
     else:
-        (root, rels), source = text_files(args.input, args.out_dir), {'input': args.input}
-    stats = [(rel, st.st_size, st.st_mtime_ns)
-             for rel in rels for st in [os.stat(os.path.join(root, rel))]]
+        root, rels = text_files(args.input, args.out_dir)
+        source = {'input': args.input}
+    stats = []
+    for rel in rels:
+        st = os.stat(os.path.join(root, rel))
+        stats.append((rel, st.st_size, st.st_mtime_ns))
 
     def documents():
         for rel in rels:
@@ -265,18 +237,14 @@ def hub_shards(args, repo, folder):
         from huggingface_hub import HfApi
         tree = HfApi(endpoint=args.hub_url).list_repo_tree(repo, path_in_repo=folder,
                                                            repo_type='dataset')
-        names = sorted(f.path for f in tree if f.path.endswith('.parquet'))
+        return sorted(f.path for f in tree if f.path.endswith('.parquet'))
     except Exception as e:
         found = glob.glob(os.path.join(glob.escape(local), '*.parquet'))
-        names = sorted(f'{folder}/{os.path.basename(f)}' for f in found)
-        if not names:  # (check_online's error already names the fix)
-            raise e if isinstance(e, ValueError) else ValueError(
-                f'listing {repo}/{folder} failed ({e}); {hint}')
-        print(f'hub out of reach: using the {len(names)} shards already in {local}',
+        if not found:  # (check_online's ValueError already names the fix)
+            raise e if isinstance(e, ValueError) else ValueError(f'listing failed ({e}); {hint}')
+        print(f'hub out of reach: using the {len(found)} shards already in {local}',
               file=sys.stderr)
-    if not names:
-        raise ValueError(f'no parquet files in {tree_url}')
-    return names
+        return sorted(f'{folder}/{os.path.basename(f)}' for f in found)
 
 
 INSTRUCT_FIELD = re.compile(r'^(Features|Words|Summary|Random sentence|Story):[ \t]*', re.M)
@@ -290,7 +258,7 @@ def hub_documents(args, val_share):
     def documents():
         if isinstance(files, str):
             import pyarrow.parquet as pq
-            shards[:] = shards or hub_shards(args, repo, files)
+            shards[:] = shards or hub_shards(args, repo, files)  # listed once
             for name in shards:  # streamed: a shard is downloaded when it is reached
                 shard = pq.ParquetFile(hub_download(args, repo, [name])[0])
                 batches = shard.iter_batches(1024, columns=['text'])
@@ -315,15 +283,6 @@ def hub_documents(args, val_share):
 
 # ----------------------------------------------------------------------------- retrieval pairs
 
-def definitions(body):
-    """Every def and class in a list of statements, nested ones included (not in expressions)."""
-    for node in body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            yield node
-        for field in ('body', 'orelse', 'finalbody', 'handlers', 'cases'):
-            yield from definitions(getattr(node, field, ()))
-
-
 def docstring_pairs(source):
     """(its docstring's first paragraph, its source without docstrings) per documented def/class."""
     try:
@@ -332,7 +291,9 @@ def docstring_pairs(source):
         return []
     raw = source.encode().splitlines(True)  # split where the parser splits; ast counts bytes
     nodes, doc_lines = [], set()
-    for node in definitions(tree.body):
+    for node in ast.walk(tree):  # every def and class, nested ones too
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
         d = node.body[0]
         if ast.get_docstring(node) and not (raw[d.lineno - 1][:d.col_offset].strip()
                                             or raw[d.end_lineno - 1][d.end_col_offset:].strip()):
@@ -394,82 +355,47 @@ def train_tokenizer(documents, stride, vocab_size, path):
             allow_whitespace_only_pieces=True, split_digits=True, character_coverage=0.9995,
             max_sentence_length=16384, input_sentence_size=0, unk_id=0, bos_id=1, eos_id=2,
             pad_id=3, num_threads=2, minloglevel=2)
-    except RuntimeError as e:
+    except RuntimeError as e:  # sentencepiece's complaint, on one line
         why = str(e).strip().splitlines()[0]
         if 'required_chars' in why:
-            raise ValueError(f'--vocab_size={vocab_size} is too small for this corpus: it needs '
-                             f'260 pieces plus one per distinct character; raise it') from None
-        raise ValueError(f'tokenizer training failed: {why}')
+            why = (f'--vocab_size={vocab_size} is too small for this corpus: raise it to 260 '
+                   f'plus one per distinct character')
+        raise ValueError(f'tokenizer training failed: {why}') from None
     finally:
         bar.close()
     Path(path).write_bytes(model.getvalue())
 
 
-_job = None  # (tokenizer, dtype, pair kind) in each encoding process
-
-
-def start_worker(spec, data_dir, dtype, pairs):
-    global _job
-    _job = Tokenizer(spec, data_dir), dtype, pairs
-
-
-def encode_chunk(docs):
-    """Per document: split, key, BOS ids EOS, a content hash, its pairs as json lines, its size."""
-    tok, dtype, kind = _job
-    out = []
-    for split, key, text, summary in docs:
-        data = text.encode()
-        lines = [json.dumps({'query': q, 'target': t}, ensure_ascii=False) + '\n'
-                 for q, t in document_pairs(kind, key, text, summary)]
-        out.append((split, key, np.array(tok.encode(text, bos=True, eos=True), dtype=dtype),
-                    hashlib.sha256(key.encode() + b'\0' + data).digest(), lines, len(data)))
-    return out
-
-
-def ordered_map(fn, jobs, workers, initargs):
-    """fn over jobs, results in order; on a process pool when workers > 1, few jobs in flight."""
-    if workers == 1:
-        start_worker(*initargs)
-        yield from map(fn, jobs)
-        return
-    with multiprocessing.Pool(workers, start_worker, initargs) as pool:
-        pending = collections.deque()
-        for job in jobs:
-            pending.append(pool.apply_async(fn, (job,)))
-            if len(pending) > 2 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
-
-
-def encode(args, documents, total, spec, dtype, pairs):
-    """Write the .tmp token streams, offsets and pairs; return the counts and content hashes."""
-    path = lambda name: os.path.join(args.out_dir, name + '.tmp')
+def encode(args, documents, total, tokenizer, dtype, pairs):
+    """Write the .tmp token streams, offsets and pairs; return the counts and how many files."""
+    path = lambda name: os.path.join(args.out_dir, name + '.tmp')  # noqa: E731
     bins = {s: open(path(f'{s}.bin'), 'wb') for s in SPLITS}
-    jsonl = {s: open(path(f'pairs_{s}.jsonl'), 'w', encoding='utf-8') for s in SPLITS * bool(pairs)}
+    jsonl = {s: open(path(f'pairs_{s}.jsonl'), 'w', encoding='utf-8')
+             for s in (SPLITS if pairs else ())}
     starts, tokens = {s: [] for s in SPLITS}, dict.fromkeys(SPLITS, 0)
-    n_pairs, content, files = dict.fromkeys(SPLITS, 0), hashlib.sha256(), set()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
-    workers = 1 if total is not None and total < 4 << 20 else cores or 1  # pays off on big corpora
+    n_pairs, files = dict.fromkeys(SPLITS, 0), set()
     bar = tqdm(desc='encoding', total=total, unit='B', unit_scale=True)
-    docs = documents()
-    jobs = iter(lambda: list(islice(docs, JOB_DOCS)), [])
-    results = ordered_map(encode_chunk, jobs, workers, (spec, args.out_dir, dtype, pairs))
+
+    def encoded():  # a batch of documents at a time, for the tokenizer to spread over the cores
+        docs = documents()
+        while batch := list(islice(docs, BATCH_DOCS)):
+            yield from zip(batch, tokenizer.encode_batch([text for _, _, text, _ in batch]))
     try:
-        for split, key, ids, digest, lines, size in chain.from_iterable(results):
+        for (split, key, text, summary), ids in encoded():
             if split == 'train' and args.max_tokens and tokens['train'] >= args.max_tokens:
                 break
+            ids = np.array([tokenizer.bos_id, *ids, tokenizer.eos_id], dtype=dtype)
+            lines = [json.dumps({'query': q, 'target': t}, ensure_ascii=False) + '\n'
+                     for q, t in document_pairs(pairs, key, text, summary)]
             starts[split].append(tokens[split])
             bins[split].write(ids.tobytes())
             tokens[split] += len(ids)
             if lines:
                 jsonl[split].writelines(lines)
             n_pairs[split] += len(lines)
-            content.update(digest)
             files.add(key.split('#')[0])
-            bar.update(size)
+            bar.update(len(text.encode()))
     finally:
-        results.close()
         bar.close()
         for f in chain(bins.values(), jsonl.values()):
             f.close()
@@ -480,24 +406,20 @@ def encode(args, documents, total, spec, dtype, pairs):
     counts |= {f'{s}_docs': len(starts[s]) for s in SPLITS}
     if pairs:
         counts |= {'pairs': pairs} | {f'n_pairs_{s}': n_pairs[s] for s in SPLITS}
-    file_list = hashlib.sha256('\n'.join(sorted(files)).encode()).hexdigest()
-    return counts, {'files': len(files), 'file_list_sha256': file_list,
-                    'content_sha256': content.hexdigest()}
+    return counts, len(files)
 
 
 # ----------------------------------------------------------------------------- main
 
 def up_to_date(out_dir, fingerprint):
-    """True when meta.json carries this fingerprint and every file it lists is complete."""
+    """True when meta.json (written last) carries this fingerprint and its files are all there."""
     try:
         meta = json.loads(Path(out_dir, 'meta.json').read_text())
-        size, path = np.dtype(meta['dtype']).itemsize, lambda name: os.path.join(out_dir, name)
-        return (meta['fingerprint'] == fingerprint
-                and all(os.path.isfile(path(f)) for f in meta['outputs'])
-                and all(os.path.getsize(path(f'{s}.bin')) == meta[f'{s}_tokens'] * size
-                        for s in SPLITS))
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError):
         return False
+    if meta.get('fingerprint') != fingerprint:
+        return False
+    return all(os.path.isfile(os.path.join(out_dir, name)) for name in meta['outputs'])
 
 
 def commit(out_dir, produced, meta):
@@ -514,22 +436,20 @@ def commit(out_dir, produced, meta):
 
 
 def carve(read, n_docs):
-    """documents() for a corpus whose split by key left one split empty: its last tenth (at least
-    one document) goes to val; a lone document is cut at the line (or character) nine tenths in."""
-    n_val = min(max(1, round(n_docs / 10)), n_docs - 1)
+    """documents() for a corpus too small for the split by key to fill both splits: val gets its
+    last tenth (at least one), counted in documents, or in lines when it is a single one."""
+    n_train = n_docs - max(1, round(n_docs / 10))
 
     def documents():
-        for i, (_, key, text, summary) in enumerate(islice(read(), n_docs)):
+        for i, (_, key, text, summary) in enumerate(read()):
             if n_docs > 1:
-                yield ('val' if i >= n_docs - n_val else 'train'), key, text, summary
+                yield 'train' if i < n_train else 'val', key, text, summary
                 continue
-            parts = text.splitlines(True)
-            parts = parts if len(parts) >= 10 else list(text)
-            cut = min(len(parts) - 1, round(len(parts) * 0.9))
-            train, val = ''.join(parts[:cut]), ''.join(parts[cut:])
+            lines = text.splitlines(True)
+            cut = len(lines) - max(1, round(len(lines) / 10))
+            train, val = ''.join(lines[:cut]), ''.join(lines[cut:])
             if not (train.strip() and val.strip()):
-                raise ValueError('the input is too small to hold out a validation split: '
-                                 'give more text')
+                raise ValueError('the input is too small to split into train and val: give more')
             yield 'train', key, train, summary
             yield 'val', f'{key}#val', val, summary
     return documents
@@ -563,7 +483,7 @@ def prepare(args):
         raise ValueError(f'--tokenizer file {tok} does not exist')
     keys = ('dataset', 'vocab_size', 'tokenizer', 'pairs', 'max_docs', 'max_tokens')
     config = {k: getattr(args, k) for k in keys}
-    if kind == 'file':
+    if kind == 'file':  # the same path may hold another model later
         with open(tok, 'rb') as f:
             inputs = [inputs, hashlib.file_digest(f, 'sha256').hexdigest()]
     fingerprint = hashlib.sha256(json.dumps([FORMAT, config, inputs]).encode()).hexdigest()
@@ -602,21 +522,22 @@ def prepare(args):
         print(f'warning: this corpus yields only {tokenizer.vocab_size:,} pieces, so the tokenizer '
               f'has that many, not --vocab_size={vocab}', file=sys.stderr)
 
-    counts, hashes = encode(args, documents, total, spec, dtype, pairs)
-    spec = {'kind': 'sentencepiece', 'path': 'tokenizer.model'} if kind != 'tiktoken' else spec
-    produced = [*OUTPUTS[:4], *OUTPUTS[4:5] * (kind != 'tiktoken'), *OUTPUTS[5:] * bool(pairs)]
+    counts, n_files = encode(args, documents, total, tokenizer, dtype, pairs)
+    produced = list(OUTPUTS[:4])
+    if kind != 'tiktoken':
+        spec = {'kind': 'sentencepiece', 'path': 'tokenizer.model'}
+        produced.append('tokenizer.model')
+    if pairs:
+        produced += OUTPUTS[5:]
     meta = {'dataset': args.dataset, 'vocab_size': tokenizer.vocab_size, 'tokenizer': spec,
             'bos_id': tokenizer.bos_id, 'eos_id': tokenizer.eos_id, 'pad_id': tokenizer.pad_id,
-            'dtype': dtype, **counts, 'source': {'description': about, **source, **hashes},
+            'dtype': dtype, **counts, 'source': {'description': about, **source, 'files': n_files},
             'config': config, 'outputs': produced, 'fingerprint': fingerprint}
     commit(args.out_dir, produced, meta)
-    pair_note = f", pairs {counts['n_pairs_train']:,}/{counts['n_pairs_val']:,}" if pairs else ''
+    report = ', '.join(f'{key} {n:,}' for key, n in counts.items() if key != 'pairs')
     if len(splits) == 1:
-        pair_note += '; val is the end of the corpus, as the split by path left one split empty'
-    split_note = ', val '.join(f"{counts[f'{s}_tokens']:,} tokens in {counts[f'{s}_docs']:,} docs"
-                               for s in SPLITS)
-    print(f"{args.out_dir}: train {split_note}{pair_note} ({hashes['files']:,} files, "
-          f"{time.time() - t0:.1f}s)")
+        report += '; val is the end of the corpus, as the split by key left one split empty'
+    print(f'{args.out_dir}: {report} ({n_files:,} files, {time.time() - t0:.1f}s)')
 
 
 DEFAULTS = dict(
@@ -634,27 +555,20 @@ DEFAULTS = dict(
 
 
 def prepare_args(argv):
-    """prepare.py's settings as a namespace; every rule that spans two keys is checked here."""
-    doc = __doc__ + 'datasets:\n' + '\n'.join(f'  {name:<22}{about}'
-                                              for name, (about, *_) in DATASETS.items())
+    """prepare.py's settings as a namespace, with the rules that tie one key to another."""
+    datasets = [f'  {name:<22}{about}' for name, (about, *_) in DATASETS.items()]
+    doc = __doc__ + 'datasets:\n' + '\n'.join(datasets)
     cfg = parse_args(argv, DEFAULTS, doc, dict(dataset=tuple(DATASETS)), positional='dataset')
     args = SimpleNamespace(**cfg)
     args.input = [s for s in args.input.split(',') if s]
-    if (args.dataset == 'text') != bool(args.input):
-        raise ValueError('--input is for the text dataset' if args.input
-                         else 'the text dataset needs --input')
+    if args.dataset == 'text' and not args.input:
+        raise ValueError('the text dataset needs --input: files, folders or globs, comma-separated')
+    if args.input and args.dataset != 'text':
+        raise ValueError(f'--input is for the text dataset, not {args.dataset}')
     code = args.dataset in ('pystdlib', 'text')
     if args.pairs not in ('', 'docstring', 'ict') or args.pairs == 'docstring' and not code:
         raise ValueError(f'--pairs={args.pairs} is not available for {args.dataset}: '
                          f'docstring (pystdlib, text) or ict')
-    if min(args.max_docs, args.max_tokens) < 0:
-        raise ValueError('--max_docs and --max_tokens must be >= 0 (0 = no limit)')
-    if args.tokenizer and args.vocab_size:
-        raise ValueError('--vocab_size applies when training a tokenizer, not with --tokenizer')
-    if args.vocab_size and not 261 <= args.vocab_size < 2 ** 31:
-        raise ValueError(f'--vocab_size={args.vocab_size} is out of range: the tokenizer needs 260 '
-                         f'pieces for bytes and special tokens plus one per distinct character; '
-                         f'try 4096')
     args.out_dir = args.out_dir or os.path.join('data', args.dataset)
     return args
 

@@ -112,8 +112,7 @@ REFUSALS = [
     ('prepare', ['pystdlib', '--bogus=1', OUT], 'bogus'),
     ('prepare', ['pystdlib', '--tokenizer=p50k_nope', OUT], 'p50k_nope'),
     ('prepare', ['tinystories', '--pairs=docstring', OUT], 'docstring'),
-    ('prepare', ['text', '--input={tmp}/latin1.txt', '--vocab_size=1', OUT], 'vocab_size'),
-    # < its 94 characters
+    # < 260 + its 94 characters
     ('prepare', ['text', '--input={tmp}/ascii.txt', '--vocab_size=262', OUT], 'vocab_size'),
     ('retrieve', ['frobnicate'], 'frobnicate'), ('retrieve', [*EVAL, '--n=1x'], '1x'),
     ('retrieve', [*EVAL, '--n=2,32'], '2,32'),
@@ -138,8 +137,6 @@ REFUSALS = [
     *[('train', ['--data_dir=/nonexistent', arg], arg.split('=')[0]) for arg in [
         '--warmup_iters=-1', '--max_time=-1', '--weight_decay=-0.1', '--grad_clip=-1', '--lr=0']],
     ('sample', ['--seed=-1'], 'seed'),
-    ('prepare', ['pystdlib', '--max_docs=-1'], 'max_docs'),
-    ('prepare', ['pystdlib', '--max_tokens=-5'], 'max_tokens'),
     *[('bench', ['represent', arg], arg.split('=')[0]) for arg in [
         '--warmup=-1', '--mem_limit=-1', '--prompt=0', '--steps=0', '--seed=-1', '--lr=0',
         '--n_layers=0']],
@@ -149,7 +146,8 @@ REFUSALS = [
     ('retrieve', ['indirect', '--ckpt=x', '--n_layers=0'], 'n_layers'),
     ('retrieve', ['train', '--init_from=x', '--eval_iters=0'], 'eval_iters'),
     # a required flag missing, or two that exclude each other
-    ('prepare', ['text', OUT], 'input'), ('retrieve', [*EVAL[:2]], 'pairs'),
+    ('prepare', ['text', OUT], 'input'), ('prepare', ['pystdlib', '--input=x.txt', OUT], 'input'),
+    ('retrieve', [*EVAL[:2]], 'pairs'),
     ('retrieve', ['eval', '--pairs={pairs}/pairs_val.jsonl'], 'ckpt'),
     ('retrieve', ['train', '--data_dir={pairs}'], 'init_from'),
     ('sample', [*SAMPLE, '--ckpt={trained}/ckpt.pt'], 'ckpt'),
@@ -211,7 +209,7 @@ def scratch(tmp_path, data_dir):
                           ('latin1.txt', 'déjà vu, naïve café\n'.encode('latin-1')),
                           ('latin1.jsonl',
                            '{"query": "café", "target": "naïve"}\n'.encode('latin-1') * 3),
-                          ('ascii.txt', bytes(range(33, 127)) * 20),
+                          ('ascii.txt', (bytes(range(33, 127)) + b'\n') * 20),
                           ('bad.jsonl',
                            b'{"query": "a", "target": "b"}\n' * 2 + b'{"query": oops}\n'),
                           ('run/ckpt.pt', b'a long run'), ('run/log.jsonl', b'{"step": 1}\n'),

@@ -420,6 +420,8 @@ def test_small_corpus_gets_a_val_split(n_files, tmp_path, capsys):
                          '--vocab_size=300']) == 0
     meta, docs, _ = read_folder(tmp_path / 'data')
     assert meta['val_tokens'] > 0 and meta['train_tokens'] > meta['val_tokens']
+    if n_files == 1:  # val is the last tenth of its 120 lines
+        assert docs['val'] == [''.join(code.splitlines(True)[-12:])]
     assert train_run(tmp_path / 'data', tmp_path / 'out', '--n_ctx=16', '--max_iters=2',
                      '--eval_interval=2') == 0
     (tmp_path / 'src/tiny.txt').write_text('x')
@@ -428,7 +430,7 @@ def test_small_corpus_gets_a_val_split(n_files, tmp_path, capsys):
             keep=[tmp_path / 'data'])
 
 
-def test_lossy_input_and_a_smaller_vocabulary_are_announced(tmp_path, capsys):
+def test_a_smaller_vocabulary_is_announced_and_bytes_not_utf8_become_fffd(tmp_path, capsys):
     (tmp_path / 'src').mkdir()
     for i in range(3):
         (tmp_path / f'src/{i}.txt').write_text(f'plain text number {i}, ' * 200)
@@ -437,8 +439,9 @@ def test_lossy_input_and_a_smaller_vocabulary_are_announced(tmp_path, capsys):
                          f'--out_dir={tmp_path}/d']) == 0
     warnings = [line for line in capsys.readouterr().err.splitlines()
                 if line.startswith('warning: ')]
-    assert len(warnings) == 2, warnings
-    assert 'latin1.txt' in warnings[0] and 'vocab_size' in warnings[1], warnings
+    assert len(warnings) == 1 and 'vocab_size' in warnings[0], warnings
+    _, docs, _ = read_folder(tmp_path / 'd')
+    assert 'd\ufffdj\ufffd vu, na\ufffdve caf\ufffd\n' * 50 in docs['train'] + docs['val']
 
 
 def test_leftovers_are_cleaned_up(data, tmp_path, capsys):
