@@ -137,7 +137,7 @@ class ModelConfig:
         assert d % (2 * h if arch in ('llama', 'hybrid') else h) == 0, \
             f"n_heads={h} must divide d_model={d} (into heads of even size for RoPE)"
         assert isinstance(self.share_ffn, bool) and (self.share_ffn or two_streams), \
-            f"share_ffn={self.share_ffn!r}: None, True, or False for objective bidirectional only"
+            f"share_ffn={self.share_ffn!r}: None, True or False (False: objective bidirectional)"
         # the masked-mixer variants, each where it is defined
         plain = (self.kernel, e, self.n_convs, self.softmax) == (1, 0, 1, False)
         assert plain or arch in ('mixer', 'hybrid'), \
