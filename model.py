@@ -96,11 +96,6 @@ class ParallelMixing(nn.ModuleList):
 
 # ---- the configuration ---------------------------------------------------------------------------
 
-def one_of(name, value, allowed):
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is unknown: use one of {', '.join(allowed)}")
-
-
 @dataclass
 class ModelConfig:
     arch: str = 'mixer'        # mixer | llama | gpt | hybrid | gmlp | elita
@@ -122,55 +117,47 @@ class ModelConfig:
     objective: str = 'clm'     # clm | autoencoder | bidirectional | mtp2 | half
 
     def __post_init__(self):
-        one_of('arch', self.arch, ARCHS)
-        one_of('objective', self.objective, OBJECTIVES)
-        one_of('pos_channel', self.pos_channel, ('none', 'input', 'every'))
-        one_of('hybrid_order', self.hybrid_order, ('attn_mix', 'mix_attn', 'parallel'))
-        arch, e, two_streams = self.arch, self.expansion, self.objective == 'bidirectional'
+        for name, allowed in (('arch', ARCHS), ('objective', OBJECTIVES),
+                              ('pos_channel', ('none', 'input', 'every')),
+                              ('hybrid_order', ('attn_mix', 'mix_attn', 'parallel'))):
+            value = getattr(self, name)
+            assert value in allowed, f"{name}={value!r} is unknown: use one of {', '.join(allowed)}"
+        arch, objective, e = self.arch, self.objective, self.expansion
+        two_streams = objective == 'bidirectional'
         if self.n_heads == 0:
             self.n_heads = 4 if arch in ('llama', 'gpt', 'hybrid', 'elita') else 1
         self.pos_emb = self.pos_emb or arch == 'gpt'  # GPT-1 always learns its positions
         if self.share_ffn is None:  # the author's: one DoubleMixerBlock, but two Llama stacks
             self.share_ffn = not (two_streams and arch == 'llama')
         for name in ('vocab_size', 'n_ctx', 'd_model', 'n_layers', 'n_heads', 'kernel', 'n_convs'):
-            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be a positive integer")
-        if self.hybrid_order != 'attn_mix' and arch != 'hybrid':
-            raise ValueError(f"hybrid_order={self.hybrid_order}: only arch hybrid has one")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"n_heads={self.n_heads} must divide d_model={self.d_model}")
-        if arch in ('llama', 'hybrid') and self.d_model // self.n_heads % 2:
-            raise ValueError(f"n_heads={self.n_heads}: RoPE needs an even d_model // n_heads")
-        if not isinstance(self.share_ffn, bool) or not (self.share_ffn or two_streams):
-            raise ValueError(f"share_ffn={self.share_ffn!r}: None (per arch), True or False; "
-                             f"only objective bidirectional has two streams to keep apart")
+            value = getattr(self, name)
+            assert isinstance(value, int) and value >= 1, f"{name}={value!r}: use an integer >= 1"
+        d, h = self.d_model, self.n_heads
+        assert arch == 'hybrid' or self.hybrid_order == 'attn_mix', "hybrid_order: arch hybrid only"
+        assert d % (2 * h if arch in ('llama', 'hybrid') else h) == 0, \
+            f"n_heads={h} must divide d_model={d} (into heads of even size for RoPE)"
+        assert isinstance(self.share_ffn, bool) and (self.share_ffn or two_streams), \
+            f"share_ffn={self.share_ffn!r}: None, True or False (False: objective bidirectional)"
         # the masked-mixer variants, each where it is defined
-        if arch not in ('mixer', 'hybrid') and (self.kernel, e, self.n_convs, self.softmax) != (
-                1, 0, 1, False):
-            raise ValueError(f"arch={arch}: kernel, expansion, n_convs and softmax are "
-                             f"masked-mixer variants: use arch mixer or hybrid")
-        if arch == 'gmlp' and self.n_heads != 1:
-            raise ValueError("n_heads: gmlp has one spatial projection: use 0 or 1")
-        if self.kernel > self.d_model // (self.n_heads if arch == 'mixer' else 1):
-            raise ValueError(f"kernel={self.kernel} must not exceed the channels it slides along")
-        if e and not (e > 0 and int(e * self.n_ctx) >= 1):
-            raise ValueError(f"expansion={e}: use 0 (flat) or e > 0 with e * n_ctx >= 1")
-        if e and (not self.causal or two_streams):
-            raise ValueError(f"expansion={e}: the expanded mixing is defined for tril only")
-        if e and self.n_convs > 1:
-            raise ValueError("n_convs: parallel mixings are a flat-mixer variant: use expansion=0")
-        if self.softmax and two_streams:
-            raise ValueError("softmax: the reverse stream's last rows have nothing to normalise")
-        if self.pos_channel != 'none' and (arch, self.n_heads) != ('mixer', 1):
-            raise ValueError(f"pos_channel={self.pos_channel}: blocks of width d_model + 1 are "
-                             f"defined for a one-head mixer: use pos_channel=none")
-        if not self.causal and (arch == 'elita' or self.objective != 'clm'):
-            raise ValueError("causal=False is for clm encoders of arch mixer/llama/gpt/hybrid/gmlp")
-        if self.objective in ('autoencoder', 'bidirectional') and arch not in ('mixer', 'llama'):
-            raise ValueError(f"objective={self.objective} is built of mixer or llama blocks: "
-                             f"use arch mixer or llama")
-        if self.objective == 'half' and (self.n_layers < 2 or self.n_ctx < 2):
-            raise ValueError("objective=half needs n_layers >= 2 (an encoder and a decoder half)")
+        plain = (self.kernel, e, self.n_convs, self.softmax) == (1, 0, 1, False)
+        assert plain or arch in ('mixer', 'hybrid'), \
+            f"arch={arch}: kernel, expansion, n_convs and softmax need arch mixer or hybrid"
+        assert arch != 'gmlp' or h == 1, "n_heads: gmlp has one spatial projection: use 0 or 1"
+        assert self.kernel <= d // (h if arch == 'mixer' else 1), \
+            f"kernel={self.kernel} must not exceed the channels it slides along"
+        assert not e or e * self.n_ctx >= 1 and self.causal and not two_streams, \
+            f"expansion={e}: use 0 (flat), or e * n_ctx >= 1 in a causal mixer of one stream"
+        assert not e or self.n_convs == 1, "n_convs: parallel mixings need expansion=0 (flat)"
+        assert not (self.softmax and two_streams), \
+            "softmax: the reverse stream's last rows have nothing to normalise"
+        assert self.pos_channel == 'none' or (arch, h) == ('mixer', 1), \
+            f"pos_channel={self.pos_channel}: width d_model + 1 is for a one-head mixer: use none"
+        assert self.causal or arch != 'elita' and objective == 'clm', \
+            "causal=False is for clm encoders of arch mixer/llama/gpt/hybrid/gmlp"
+        assert objective not in ('autoencoder', 'bidirectional') or arch in ('mixer', 'llama'), \
+            f"objective={objective} is made of mixer or llama blocks: use arch mixer or llama"
+        assert objective != 'half' or min(self.n_layers, self.n_ctx) >= 2, \
+            "objective=half needs n_layers >= 2 and n_ctx >= 2 (an encoder and a decoder half)"
 
     @property
     def width(self):  # channels the blocks run at: the position channel is appended to d_model
@@ -307,10 +294,10 @@ class Backbone(nn.Module):
 
     def forward(self, x, pos=0, cache=None, mask=None):  # idx (B, T) or embeddings (B, T, d)
         if self.wte is not None:
-            x = self.wte(check_tokens(x, self.cfg.vocab_size, pos))
+            assert x.dim() == 2, "idx: (B, T) token ids"
+            x = self.wte(x)
         cfg, T = self.cfg, x.shape[1]
-        if pos + T > cfg.n_ctx:
-            raise ValueError(f"{pos + T} positions exceed n_ctx={cfg.n_ctx}: crop them")
+        assert pos + T <= cfg.n_ctx, f"{pos + T} positions exceed n_ctx={cfg.n_ctx}: crop them"
         if self.wpe is not None:
             x = x + self.wpe.weight[pos:pos + T]
         at = torch.arange(pos, pos + T, device=x.device)
@@ -325,17 +312,6 @@ class Backbone(nn.Module):
             if cfg.pos_channel == 'every':
                 x = torch.cat((x[..., :-1], centred), dim=-1)
         return self.norm(x)[..., :cfg.d_model]  # the position channel is not a feature
-
-
-def check_tokens(idx, vocab_size, pos=0):  # -> idx (B, T), its ids in [0, vocab_size)
-    if idx.dim() != 2:
-        raise ValueError(f"idx must be (B, T) token ids, got shape {tuple(idx.shape)}")
-    # decode steps feed sampled ids (no sync); meta tensors (FLOP counting) have no values
-    checked = pos == 0 and not torch.compiler.is_compiling() and idx.device.type != 'meta'
-    if checked and idx.numel() and (idx.min() < 0 or idx.max() >= vocab_size):
-        raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}), got "
-                         f"[{int(idx.min())}, {int(idx.max())}]")
-    return idx
 
 
 def add_lm_head(model, cfg, wte):
@@ -381,12 +357,6 @@ class LanguageModel(nn.Module):
         return self.lm_head(self.backbone(idx, pos, cache)[:, -1]).float()
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, **kw):
-        """idx (B, T0) -> (B, T0 + max_new_tokens). Keyword arguments as in `stream`."""
-        new = [tok[:, None] for tok, _ in self.stream(idx, max_new_tokens, **kw)]
-        return torch.cat([idx] + new, dim=1)
-
-    @torch.no_grad()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                method='cache', generator=None, step=None):
         """Yield (token (B,), logits (B, vocab)) per new token. method='window' is the paper's
@@ -394,9 +364,9 @@ class LanguageModel(nn.Module):
         method='cache' runs only the new position against a Cache of the earlier ones, O(n^2 d),
         the same numbers up to float rounding. A full window slides alike in both: its last n/2
         tokens are re-encoded at the window start. step: replaces self.step on one new token."""
-        if self.cfg.objective == 'half' or not self.cfg.causal:
-            raise ValueError("generation needs a causal next-token model (objective clm or mtp2)")
-        one_of('method', method, ('cache', 'window'))
+        assert self.cfg.objective != 'half' and self.cfg.causal, \
+            "generation needs a causal next-token model (objective clm or mtp2)"
+        assert method in ('cache', 'window'), f"method={method!r}: use cache or window"
         n, step = self.cfg.n_ctx, step or self.step
         cache = Cache(n) if method == 'cache' else None
         window, fresh = idx[:, -n:], True  # fresh: no token of the window is in the cache yet
@@ -636,18 +606,9 @@ class BidirectionalLM(nn.Module):
                 r.ffn, r.norms[-1] = f.ffn, f.norms[-1]
         add_lm_head(self, cfg, self.wte)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """Weights with a feed-forward per stream must not load into shared ones (one would win)."""
-        fwd = dict(self.fwd.named_parameters())
-        for name, p in self.rev.named_parameters(remove_duplicate=False):
-            a, b = state_dict.get(f'{prefix}fwd.{name}'), state_dict.get(f'{prefix}rev.{name}')
-            if p is fwd.get(name) and a is not None and b is not None and not torch.equal(a, b):
-                raise ValueError("these weights have a feed-forward per stream: "
-                                 "build the model with share_ffn=False")
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
     def hidden(self, idx, mask=None):
-        x = self.wte(check_tokens(idx, self.cfg.vocab_size))
+        assert idx.dim() == 2, "idx: (B, T) token ids"
+        x = self.wte(idx)
         return self.fwd(x, mask=mask) + self.rev(x, mask=mask)
 
     def forward(self, idx, targets=None, mask=None):
