@@ -54,9 +54,8 @@ TRAIN = dict(
     FIT,
     init_from='',           # train.py's ckpt.pt or best.pt, or resume (continue out_dir/ckpt.pt)
     out_dir='out-retrieval',
-    negatives='inbatch',    # inbatch: B x B logits, 2B sequences | paper: each query vs its
-                            # target + 30 others (eq. 7), 32B sequences (paper: --batch_size=1
-                            # --grad_accum=4)
+    negatives='inbatch',    # inbatch: B x B logits | paper: each query vs its target + 30 others
+                            # (eq. 7), 32B sequences (paper: --batch_size=1 --grad_accum=4)
     symmetric=False,        # inbatch: also each target vs the B queries (CLIP's two-way loss)
     lr=1e-4,                # the paper's retrieval learning rate
     max_iters=1000,
@@ -89,36 +88,35 @@ SEARCH = dict(
     query='',               # the text to look for
     k=5,                    # how many chunks to print
     show=300,               # characters of each chunk to print
-    min_chunk=16,           # a document's last chunk shorter than this (tokens) joins the one
-                            # before it (0: never)
+    min_chunk=16,           # a document's last chunk under this many tokens joins the one before
 )
 
 
 # ----------------------------------------------------------------------------- files
 
-def read_jsonl(path):
-    """(line number, JSON value) per non-blank line of a .jsonl file; a bad line names file:line."""
+def read_jsonl(path, fields):
+    """(line number, object) per non-blank line of a .jsonl file of objects with string `fields`;
+    a bad line is an error naming file:line."""
     rows = []
     for lineno, line in enumerate(read_text_file(path, 'JSONL file').split('\n'), 1):
-        if line.strip():
-            try:
-                rows.append((lineno, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg}): fix or delete "
-                                 f"that line") from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not (isinstance(row, dict) and all(isinstance(row.get(k), str) for k in fields)):
+            raise ValueError(f"{path}:{lineno}: not a JSON object with string fields "
+                             f"{', '.join(fields)}: fix or delete that line")
+        rows.append((lineno, row))
     return rows
 
 
 def read_pairs(path):
     """(queries, targets) from a pairs file of {"query": ..., "target": ...} lines."""
-    rows = read_jsonl(path)
-    for lineno, row in rows:
-        if not (isinstance(row, dict) and all(isinstance(row.get(k), str)
-                                              for k in ('query', 'target'))):
-            raise ValueError(f"{path}:{lineno}: not an object with string fields 'query' and "
-                             f"'target'")
+    rows = [row for _, row in read_jsonl(path, ('query', 'target'))]
     assert len(rows) >= 2, f"{path} holds {len(rows)} pair(s): retrieval needs at least 2"
-    return [row['query'] for _, row in rows], [row['target'] for _, row in rows]
+    return [row['query'] for row in rows], [row['target'] for row in rows]
 
 
 # ----------------------------------------------------------------------------- embeddings
@@ -413,17 +411,15 @@ def peer_embedder(name, device, batch_size):
     """A sentence-transformers model (a folder or a hub name) as texts -> unit rows (N, d): a known
     retriever scored on the same pairs. The optional package is imported only here."""
     how = ("pass a model folder, --peer=PATH (README, Retrieval, installs all-MiniLM-L6-v2 "
-           "offline); sentence-transformers is optional, not in requirements.txt")
+           "offline); sentence-transformers is optional: pip install sentence-transformers")
     try:
         from sentence_transformers import SentenceTransformer
     except ImportError:
-        raise ValueError(f"--peer needs sentence-transformers: pip install sentence-transformers "
-                         f"or {how}") from None
-    hub, local = os.environ.get('HF_ENDPOINT', 'https://huggingface.co'), os.path.isdir(name)
+        raise ValueError(f"--peer needs sentence-transformers: {how}") from None
+    hub, cache_only = os.environ.get('HF_ENDPOINT', 'https://huggingface.co'), {}
     try:   # the hub client retries an unreachable hub for a minute: look first, then cache only
-        if not (local or os.environ.get('HF_HUB_OFFLINE', '0').lower() in ('1', 'on', 'true')):
+        if not os.path.isdir(name):
             check_online(hub, '')
-        cache_only = {}
     except ValueError:
         cache_only = dict(local_files_only=True)
     try:
@@ -432,8 +428,8 @@ def peer_embedder(name, device, batch_size):
         why = f"{hub} is out of reach" if cache_only else str(e).splitlines()[0]
         raise ValueError(f"--peer={name}: sentence-transformers could not load it ({why}): "
                          f"{how}") from None
-    return lambda texts: F.normalize(torch.as_tensor(np.asarray(model.encode(
-        texts, batch_size=batch_size, convert_to_numpy=True)), dtype=torch.float32), dim=-1)
+    return lambda texts: F.normalize(torch.as_tensor(model.encode(texts, batch_size=batch_size))
+                                     .float(), dim=-1)
 
 
 def cmd_eval(cfg):
@@ -571,10 +567,8 @@ def collect_documents(paths):
         if os.path.isdir(path):
             docs += [(f, text) for f in visible_files(path) if (text := read_text(f)) is not None]
         elif path.endswith('.jsonl'):
-            for lineno, row in read_jsonl(path):
-                if not (isinstance(row, dict) and isinstance(row.get('text'), str)):
-                    raise ValueError(f"{path}:{lineno}: not an object with a string field 'text'")
-                docs.append((f"{path}:{lineno}", row['text']))
+            rows = read_jsonl(path, ('text',))
+            docs += [(f"{path}:{lineno}", row['text']) for lineno, row in rows]
         else:
             docs.append((path, read_text_file(path, 'document')))
     return docs

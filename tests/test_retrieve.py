@@ -1,6 +1,6 @@
 """retrieve.py: InfoNCE (eq. 7), the Algorithm 1 samplers, the many-candidate eval, indirect
 retrieval, search, training."""
-import importlib.util, json, math, os, random, re, socket, sys, types
+import json, math, os, random, re, socket, sys, types
 
 import numpy as np
 import pytest
@@ -57,11 +57,10 @@ def test_info_nce_of_row_shards_averages_to_the_batch(corpus, negatives):
                                sum(loss(get('train', 2, 0, s, 2)) for s in range(2)) / 2)
 
 
-TRIM = [dict(), dict(n_heads=2, kernel=3, n_convs=2), dict(expansion=1.5), dict(expansion=0.5),
-        dict(softmax=True, pos_emb=True), dict(arch='gmlp'), dict(arch='llama'),
+TRIM = [dict(), dict(n_heads=2, kernel=3, n_convs=2), dict(softmax=True, pos_emb=True),
+        dict(pos_channel='every'), dict(arch='gmlp'), dict(arch='llama'),
         dict(objective='autoencoder'), dict(arch='llama', objective='autoencoder'),
-        dict(objective='half'), dict(arch='llama', objective='half'), dict(arch='gpt'),
-        dict(arch='hybrid'), dict(arch='elita'), dict(causal=False), dict(pos_channel='every')]
+        dict(objective='half'), dict(arch='gpt'), dict(arch='hybrid'), dict(causal=False)]
 
 
 @pytest.mark.parametrize('variant', TRIM, ids=name)
@@ -184,41 +183,57 @@ def test_eval_random_scores_are_one_in_n_minus_one():
     assert abs(m['recall@k']['10'] - 100 * 10 / pairs) < 0.5
 
 
-class FakeSentenceTransformer:
-    """sentence-transformers' interface (constructor, encode) over a bag of letters: a stand-in
-    peer."""
+class FakePeer:
+    """sentence-transformers' interface (constructor, encode) over a bag of letters; a model that
+    is not a folder is on the hub only, never in the cache."""
+    calls = []
 
     def __init__(self, name, device='cpu', local_files_only=False):
-        if name == 'missing':
-            raise OSError("missing is not a local folder and not a model on the hub\nmore")
+        FakePeer.calls.append(local_files_only)
+        if not os.path.isdir(name):
+            raise OSError(f"{name} is not in the cache" if local_files_only else
+                          "the hub client retried for 75 s")
 
-    def encode(self, texts, batch_size=32, convert_to_numpy=True):
+    def encode(self, texts, batch_size=32):
         return np.array([[text.lower().count(chr(97 + i)) for i in range(26)] for text in texts],
                         dtype=np.float32)
 
 
 def test_eval_peer_scores_a_sentence_transformer_on_the_same_pairs(corpus, capsys, tmp_path,
                                                                     monkeypatch):
-    """--peer scores a sentence-transformers model by the same metric on the same pairs, beside the
-    checkpoint."""
+    """--peer (a model folder) scores a sentence-transformers model by the same metric on the same
+    pairs, beside the checkpoint."""
     pairs = corpus.data / 'pairs_val.jsonl'
-    fake = types.SimpleNamespace(SentenceTransformer=FakeSentenceTransformer)
-    monkeypatch.setitem(sys.modules, 'sentence_transformers', fake)
+    monkeypatch.setitem(sys.modules, 'sentence_transformers',
+                        types.SimpleNamespace(SentenceTransformer=FakePeer))
     code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={corpus.mixer}',
-                              '--peer=fake-peer',
-                              f'--pairs={pairs}', '--n=8,16', f'--json={tmp_path}/m.json')
+                              f'--peer={tmp_path}', f'--pairs={pairs}', '--n=8,16',
+                              f'--json={tmp_path}/m.json')
     assert code == 0, err
     m = json.loads((tmp_path / 'm.json').read_text())
-    peer = FakeSentenceTransformer('fake-peer')
+    peer = FakePeer(str(tmp_path))
     expect = retrieve.retrieval_metrics(*(F.normalize(torch.from_numpy(peer.encode(x)), dim=-1)
                                           for x in retrieve.read_pairs(str(pairs))), (8, 16), 0)
     assert m['peer'] == expect and set(m['ckpt']) == set(expect)
-    assert out.count('top-1%') == 2 and 'fake-peer: 48 pairs' in out
-    refused(capsys, 'retrieve', ['eval', '--peer=missing', f'--pairs={pairs}', '--n=8'], 'missing')
-    # not installed: say how to install it
-    monkeypatch.setitem(sys.modules, 'sentence_transformers', None)
-    refused(capsys, 'retrieve', ['eval', '--peer=all-MiniLM-L6-v2', f'--pairs={pairs}'],
-            'pip install sentence-transf')
+    assert out.count('top-1%') == 2 and f'{tmp_path}: 48 pairs' in out
+
+
+def test_peer_by_name_fails_fast_without_the_hub(corpus, capsys, monkeypatch):
+    """A hub name with the hub out of reach (a closed port) reads the cache only and says to pass
+    a folder, with sentence-transformers named as optional; so does the package missing."""
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        dead = f'http://127.0.0.1:{s.getsockname()[1]}'  # closed once the block ends
+    monkeypatch.setenv('HF_ENDPOINT', dead)
+    monkeypatch.setitem(sys.modules, 'sentence_transformers',
+                        types.SimpleNamespace(SentenceTransformer=FakePeer))
+    FakePeer.calls.clear()
+    argv = ['eval', '--peer=all-MiniLM-L6-v2', f'--pairs={corpus.data}/pairs_val.jsonl', '--n=8']
+    err = refused(capsys, 'retrieve', argv, '--peer=PATH')
+    assert FakePeer.calls == [True]                       # never asked to reach the hub
+    assert dead in err and 'sentence-transformers is optional' in err
+    monkeypatch.setitem(sys.modules, 'sentence_transformers', None)   # as if not installed
+    refused(capsys, 'retrieve', argv, 'pip install sentence-transformers')
 
 
 def test_retrieval_mixer_learns_algorithm1_inputs():
@@ -239,13 +254,24 @@ def test_retrieval_mixer_learns_algorithm1_inputs():
     assert (model(x)[0].argmax(-1) == labels).float().mean() > 0.8     # chance: 1 in 7
 
 
-def test_indirect_trains_and_reports(corpus, capsys, tmp_path):
-    """One RetrievalMixer per c, each an 'indirect' checkpoint; embedding shows its progress on
-    stderr; each c's training and result lines say which c."""
+@pytest.mark.parametrize('normalize', [False, True])
+def test_indirect_trains_on_raw_hidden_states(corpus, capsys, tmp_path, monkeypatch, normalize):
+    """One RetrievalMixer per c, each an 'indirect' checkpoint, reading the frozen model's last
+    hidden states as they are (as the author's code; --normalize=True: unit rows x sqrt(d_model));
+    embedding shows its progress on stderr; each c's training and result lines say which c."""
+    seen = []
+
+    class Recording(M.RetrievalMixer):
+        def forward(self, x, labels=None):
+            seen.append(x.detach().clone())
+            return super().forward(x, labels)
+
+    monkeypatch.setattr(retrieve, 'RetrievalMixer', Recording)
     code, out, err = run_main(capsys, 'retrieve', 'indirect', f'--ckpt={corpus.mixer}',
                               f'--data_dir={corpus.data}', f'--out_dir={tmp_path}/ind', '--c=4,8',
                               '--n_layers=1', '--max_iters=6', '--eval_interval=6',
                               '--eval_iters=1', '--log_interval=2', '--batch_size=16',
+                              '--dtype=float32', '--device=cpu', f'--normalize={normalize}',
                               f'--json={tmp_path}/ind.json')
     assert code == 0, err
     assert 'embedding:' in err and '/160' in err and '/48' in err
@@ -261,25 +287,6 @@ def test_indirect_trains_and_reports(corpus, capsys, tmp_path):
     assert ckpt['kind'] == 'indirect'
     assert ckpt['retrieval_mixer'] == dict(d_model=32, n_layers=1, c=8)
     assert ckpt['embedder']['ckpt'] == os.path.abspath(corpus.mixer)
-
-
-@pytest.mark.parametrize('normalize', [False, True])
-def test_indirect_feeds_raw_hidden_states(corpus, capsys, tmp_path, monkeypatch, normalize):
-    """As the author's code: the RetrievalMixer reads the frozen model's last hidden states as they
-    are; --normalize=True gives unit rows x sqrt(d_model) instead."""
-    seen = []
-
-    class Recording(M.RetrievalMixer):
-        def forward(self, x, labels=None):
-            seen.append(x.detach().clone())
-            return super().forward(x, labels)
-
-    monkeypatch.setattr(retrieve, 'RetrievalMixer', Recording)
-    code, _, err = run_main(capsys, 'retrieve', 'indirect', f'--ckpt={corpus.mixer}',
-                            f'--data_dir={corpus.data}', f'--out_dir={tmp_path}/ind', '--c=4',
-                            '--n_layers=1', '--max_iters=1', '--eval_iters=1', '--batch_size=8',
-                            '--dtype=float32', '--device=cpu', f'--normalize={normalize}')
-    assert code == 0, err
     ckpt = train.load_checkpoint(corpus.mixer)      # the full window, here, not through TextEncoder
     model = train.model_from_checkpoint(ckpt).eval()
     tok = prepare.Tokenizer.from_meta(ckpt['data']['meta'], str(corpus.data))
@@ -289,7 +296,7 @@ def test_indirect_feeds_raw_hidden_states(corpus, capsys, tmp_path, monkeypatch,
     with torch.no_grad():
         h = model.hidden(idx, mask)[:, -1]                                          # (N, 32)
     pool = F.normalize(h, dim=-1) * math.sqrt(32) if normalize else h
-    rows = torch.cat(seen).flatten(0, 1)                                    # every input row
+    rows = torch.cat([x.flatten(0, 1) for x in seen])                       # every input row
     dist = torch.cdist(rows, pool, compute_mode='donot_use_mm_for_euclid_dist').min(1).values
     # trimmed vs full window in fp32: eps 1.2e-7 x norms ~10 x a few ops; the other form is >= 1 off
     assert dist.max() < 1e-4
@@ -361,78 +368,33 @@ def test_train_paper_negatives_and_autoencoder_encoder(corpus, capsys, tmp_path)
             assert after['config']['negatives'] == 'paper' and 'backbone.wte.weight' in changed
 
 
-def test_search_finds_a_document_by_its_own_text(corpus, capsys, tmp_path):
-    """A document's own text finds it first, at cosine 1: a folder's files (binary ones skipped)
-    and a .jsonl file's "text" fields."""
-    rng = random.Random(2)
-    texts = [''.join(pair_texts(rng, 100 + i)) for i in range(8)]
-    (tmp_path / 'docs').mkdir()
-    for i, text in enumerate(texts[:4]):
-        (tmp_path / f'docs/d{i}.py').write_text(text)
-    (tmp_path / 'docs/blob.bin').write_bytes(b'\0\1\2')
-    (tmp_path / 'more.jsonl').write_text(''.join(json.dumps({'text': t}) + '\n' for t in texts[4:]))
-    for i, source in ((2, tmp_path / 'docs/d2.py'), (5, f'{tmp_path}/more.jsonl:2')):
-        code, out, err = run_main(capsys, 'retrieve', 'search', f'--ckpt={corpus.mixer}',
-                                  f'--docs={tmp_path}/docs,{tmp_path}/more.jsonl',
-                                  f'--query={texts[i]}', '--k=99', '--dtype=float32')
-        first = out.splitlines()[0]
-        assert code == 0 and first.startswith('1. 1.000') and first.split()[2] == str(source), out
-        assert 'blob.bin' not in out
-
-
-def test_search_joins_a_short_last_chunk_to_its_neighbour(corpus, capsys, tmp_path):
-    """A document's last chunk of a few tokens (which cosines rank first) joins the chunk before
-    it, whose embedding still reads its own window; --min_chunk=0 keeps every window apart."""
+def test_search_finds_a_document_and_joins_a_short_tail(corpus, capsys, tmp_path):
+    """A document's own text finds it first, at cosine 1, among a folder's files (binary ones
+    skipped) and a .jsonl file's "text" fields. A document's last chunk of a few tokens (which
+    cosines rank first) joins the chunk before it; --min_chunk=0 keeps every window apart."""
     tok, words = Tokenizer.from_dir(str(corpus.data)), PAIR_WORDS * 8
     for end in range(40, len(words)):          # 31 tokens a chunk (n_ctx 32 less bos); tail 1-3
-        text = ' '.join(words[:end]) + '\n'
-        if len(tok.encode(text)) > 62 and 1 <= len(tok.encode(text)) % 31 <= 3:
+        long = ' '.join(words[:end]) + '\n'
+        if len(tok.encode(long)) > 62 and 1 <= len(tok.encode(long)) % 31 <= 3:
             break
-    n = len(tok.encode(text))
-    tail = tok.decode(tok.encode(text)[-(n % 31):]).strip()
-    (tmp_path / 'long.txt').write_text(text)
-    for min_chunk, offsets in ((16, range(0, n - n % 31, 31)), (0, range(0, n, 31))):
+    n, rng = len(tok.encode(long)), random.Random(2)
+    texts = [''.join(pair_texts(rng, 100 + i)) for i in range(6)]
+    (tmp_path / 'docs').mkdir()
+    for i, text in enumerate(texts[:3] + [long]):
+        (tmp_path / f'docs/d{i}.py').write_text(text)
+    (tmp_path / 'docs/blob.bin').write_bytes(b'\0\1\2')
+    (tmp_path / 'more.jsonl').write_text(''.join(json.dumps({'text': t}) + '\n' for t in texts[3:]))
+    for query, source, min_chunk, stop in ((texts[2], 'docs/d2.py', 16, n - n % 31),
+                                           (texts[4], 'more.jsonl:2', 0, n)):
         code, out, err = run_main(capsys, 'retrieve', 'search', f'--ckpt={corpus.mixer}',
-                                  f'--docs={tmp_path}/long.txt', '--query=sort the load',
-                                  '--k=99', '--show=9999', f'--min_chunk={min_chunk}')
-        shown = {int(k): v for k, v in re.findall(r'@ token (\d+)\n((?: {3}.*\n?)*)', out)}
-        assert code == 0 and sorted(shown) == list(offsets), (n, min_chunk, out)
-        assert tail in shown[offsets[-1]]
-
-
-class HubOnlyPeer:
-    """A sentence-transformers stand-in whose model is on the hub only, never in the cache."""
-    calls = []
-
-    def __init__(self, name, device='cpu', local_files_only=False):
-        HubOnlyPeer.calls.append(local_files_only)
-        raise OSError(f"{name} is not in the cache" if local_files_only else
-                      "the hub client retried for 75 s")
-
-
-def test_peer_by_name_fails_fast_without_the_hub(corpus, capsys, monkeypatch):
-    """A hub name with the hub out of reach (a closed port) reads the cache only and says to pass
-    a folder, with sentence-transformers named as optional; so does the package missing."""
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        dead = f'http://127.0.0.1:{s.getsockname()[1]}'  # closed once the block ends
-    installed = importlib.util.find_spec('sentence_transformers') is not None
-    monkeypatch.setenv('HF_ENDPOINT', dead)
-    monkeypatch.delenv('HF_HUB_OFFLINE', raising=False)
-    monkeypatch.setitem(sys.modules, 'sentence_transformers',
-                        types.SimpleNamespace(SentenceTransformer=HubOnlyPeer))
-    HubOnlyPeer.calls.clear()
-    argv = ['eval', '--peer=all-MiniLM-L6-v2', f'--pairs={corpus.data}/pairs_val.jsonl', '--n=8']
-    refused(capsys, 'retrieve', argv, '--peer=PATH')
-    assert HubOnlyPeer.calls == [True]                    # never asked to reach the hub
-    _, _, err = run_main(capsys, 'retrieve', *argv)
-    assert dead in err and 'sentence-transformers is optional' in err
-    if installed:
-        monkeypatch.setitem(sys.modules, 'sentence_transformers', None)   # as if not installed
-    else:
-        monkeypatch.delitem(sys.modules, 'sentence_transformers')         # this machine's case
-    refused(capsys, 'retrieve', argv, 'pip install sentence-transformers')
-    assert 'optional' in run_main(capsys, 'retrieve', *argv)[2]
+                                  f'--docs={tmp_path}/docs,{tmp_path}/more.jsonl',
+                                  f'--query={query}', '--k=99', '--show=9999',
+                                  f'--min_chunk={min_chunk}', '--dtype=float32')
+        found = re.findall(r'^\d+\. (\S+)  (\S+) @ token (\d+)\n((?: {3}.*\n?)*)', out, re.M)
+        assert code == 0 and found[0][:2] == ('1.000', f'{tmp_path}/{source}'), out
+        chunks = {int(offset): text for _, doc, offset, text in found if doc.endswith('d3.py')}
+        assert sorted(chunks) == list(range(0, stop, 31)) and 'blob.bin' not in out
+        assert tok.decode(tok.encode(long)[-(n % 31):]).strip() in chunks[max(chunks)]
 
 
 def unit(*shape, seed=0):
