@@ -235,7 +235,7 @@ class Embedder:
 
     @torch.no_grad()
     def embed_tokens(self, seqs):
-        out = [torch.zeros(0, self.d_model)]
+        out = []
         bar = tqdm(total=len(seqs), desc='embedding', unit='text', leave=False,
                    disable=os.environ.get('RANK', '0') != '0')  # DDP: rank 0 shows it
         for i in range(0, len(seqs), self.batch_size):

@@ -309,10 +309,9 @@ def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     data, mixer = corpus.data, corpus.mixer
     out_dir = tmp_path / 'ret'
     common = [f'--data_dir={data}', f'--out_dir={out_dir}', '--batch_size=16', '--lr=2e-3',
-              '--warmup_iters=2',
-              '--eval_interval=20', '--eval_iters=3', '--log_interval=10', '--dtype=float32']
-    code, out, err = run_main(capsys, 'retrieve', 'train', f'--init_from={mixer}', '--max_iters=60',
-                              *common)
+              '--warmup_iters=2', '--eval_interval=20', '--eval_iters=3', '--dtype=float32']
+    code, out, err = run_main(capsys, 'retrieve', 'train', f'--init_from={mixer}',
+                              '--max_iters=60', *common)
     assert code == 0, err
     evals = records(out_dir, 'val_loss')
     assert evals[0]['step'] == 0 and evals[-1]['step'] == 60
@@ -336,9 +335,9 @@ def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
 def test_retrieval_ddp_row_shards_equal_one_process(corpus, capsys, tmp_path):
     """torchrun, grad_accum=1: each rank embeds half the queries and every target; the step is one
     process's."""
-    common = ['train', f'--init_from={corpus.mixer}', f'--data_dir={corpus.data}', '--batch_size=8',
-              '--lr=2e-3',
-              '--max_iters=1', '--eval_interval=1', '--eval_iters=1', '--dtype=float32']
+    common = ['train', f'--init_from={corpus.mixer}', f'--data_dir={corpus.data}', '--lr=2e-3',
+              '--batch_size=8', '--max_iters=1', '--eval_interval=1', '--eval_iters=1',
+              '--dtype=float32']
     torchrun('retrieve.py', [*common, f'--out_dir={tmp_path}/ddp'])
     assert run_main(capsys, 'retrieve', *common, f'--out_dir={tmp_path}/one')[0] == 0
     (ddp,), (one,) = records(tmp_path / 'ddp', 'loss'), records(tmp_path / 'one', 'loss')
