@@ -549,23 +549,15 @@ def cmd_indirect(cfg):
 
 # ----------------------------------------------------------------------------- search
 
-def read_text(path):
-    """A file's text, or None for a binary one (NUL bytes, or not UTF-8)."""
-    with open(path, 'rb') as f:
-        data = f.read()
-    try:
-        return None if b'\0' in data else data.decode('utf-8')
-    except UnicodeDecodeError:
-        return None
-
-
 def collect_documents(paths):
-    """(source, text) for every document under paths: a folder's text files (recursively, hidden
+    """(source, text) for every document under paths: a folder's UTF-8 files (recursively, hidden
     entries and binary files skipped), a .jsonl file's "text" fields, or a text file."""
     docs = []
     for path in paths:
         if os.path.isdir(path):
-            docs += [(f, text) for f in visible_files(path) if (text := read_text(f)) is not None]
+            for f in visible_files(path):
+                with contextlib.suppress(ValueError):             # not UTF-8: a binary file
+                    docs.append((f, read_text_file(f, 'document')))
         elif path.endswith('.jsonl'):
             rows = read_jsonl(path, ('text',))
             docs += [(f"{path}:{lineno}", row['text']) for lineno, row in rows]

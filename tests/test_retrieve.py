@@ -381,7 +381,7 @@ def test_search_finds_a_document_and_joins_a_short_tail(corpus, capsys, tmp_path
     (tmp_path / 'docs').mkdir()
     for i, text in enumerate(texts[:3] + [long]):
         (tmp_path / f'docs/d{i}.py').write_text(text)
-    (tmp_path / 'docs/blob.bin').write_bytes(b'\0\1\2')
+    (tmp_path / 'docs/blob.bin').write_bytes(b'\x89PNG\r\n\x1a\n\0')
     (tmp_path / 'more.jsonl').write_text(''.join(json.dumps({'text': t}) + '\n' for t in texts[3:]))
     for query, source, min_chunk, stop in ((texts[2], 'docs/d2.py', 16, n - n % 31),
                                            (texts[4], 'more.jsonl:2', 0, n)):
