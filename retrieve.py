@@ -4,16 +4,16 @@ retrieve.py: retrieval with masked mixers and transformers (paper §6), in one f
     python retrieve.py train    --init_from=out/ckpt.pt --data_dir=data/pystdlib
     python retrieve.py eval     --ckpt=out-retrieval/ckpt.pt --pairs=data/pystdlib/pairs_val.jsonl
     python retrieve.py indirect --ckpt=out/ckpt.pt --data_dir=data/pystdlib --c=32,128
-    python retrieve.py index    --ckpt=out-retrieval/ckpt.pt --docs=src/,notes.txt
-    python retrieve.py search   --query="parse an ISO date" --k=5
+    python retrieve.py search   --ckpt=out-retrieval/ckpt.pt --docs=src/,notes.txt \\
+                                --query="parse an ISO date" --k=5
 
 Commands (python retrieve.py COMMAND --help lists a command's keys and their defaults):
   train     InfoNCE fine-tuning of a pretrained checkpoint on pairs_train.jsonl (§6.3, eqs 7-8)
   eval      top-1 accuracy for many n (Tables 1, 3, 4), MRR@10 and recall@1/5/10 against all
             targets; --peer also scores a sentence-transformers model on the same pairs
   indirect  a RetrievalMixer on the frozen model's raw last hidden states (§6.2, Algorithm 1)
-  index     embed documents (folders, text files, .jsonl files) in n_ctx-token chunks
-  search    the best chunks of an index for a query
+  search    embed documents (folders, text files, .jsonl "text" fields) in n_ctx-token chunks
+            and print the chunks closest to a query
 
 n counts as Table 1's caption does: one query, its matching target and n-2 non-matching targets,
 so n-1 candidates (chance 1/(n-1)); indirect's c and train's paper negatives count the same way.
@@ -21,23 +21,23 @@ train and indirect run train.py's fit: its loop keys (--lr, --grad_accum, --max_
 --dtype, --device, --compile, ...), DDP (torchrun --standalone --nproc_per_node=4 retrieve.py
 train ...), AMP, budgets, atomic checkpoints, log.jsonl, exact resume (--init_from=resume).
 """
-import contextlib, hashlib, io, json, math, os, sys, time
+import contextlib, io, json, math, os, sys, time
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import train
 from model import Cache, RetrievalMixer
-from configurator import (check_out_dir, check_output_file, int_list, parse_args, read_text_file,
-                          run_main, write_atomic)
+from configurator import (check_output_file, int_list, parse_args, read_text_file, run_main,
+                          write_atomic)
 from prepare import Tokenizer, check_online, visible_files
 
 TAU = 0.02             # InfoNCE temperature (eq. 8)
 PAPER_N = 32           # --negatives=paper: a query, its target and 30 non-matching ones (§6.3)
 DEFAULT_NS = tuple(2 ** k for k in range(5, 14))   # 32, 64, ..., 8192: the columns of Table 1
-PROGRESS_S = 5.0       # seconds between progress lines while embedding
 
 
 # ----------------------------------------------------------------------------- each command's keys
@@ -54,16 +54,15 @@ TRAIN = dict(
     FIT,
     init_from='',           # train.py's ckpt.pt or best.pt, or resume (continue out_dir/ckpt.pt)
     out_dir='out-retrieval',
-    negatives='inbatch',    # inbatch: B x B logits, 2B sequences | paper: each query vs its
-                            # target + 30 others (eq. 7), 32B sequences (paper: --batch_size=1
-                            # --grad_accum=4)
+    negatives='inbatch',    # inbatch: B x B logits | paper: each query vs its target + 30 others
+                            # (eq. 7), 32B sequences (paper: --batch_size=1 --grad_accum=4)
     symmetric=False,        # inbatch: also each target vs the B queries (CLIP's two-way loss)
     lr=1e-4,                # the paper's retrieval learning rate
     max_iters=1000,
 )
 INDIRECT = dict(
     FIT,
-    ckpt='',                # the frozen embedding model (train.py's checkpoint)
+    ckpt='',                # the embedding model: an 'lm' or 'retrieval' checkpoint
     out_dir='out-indirect',  # one run per c in out_dir/c{c}/
     c='32,128',             # comparison sizes, counted as Table 1's n (the query, its target, c-2)
     n_layers=8,             # RetrievalMixer depth; d_model is the embedding model's
@@ -75,62 +74,49 @@ INDIRECT = dict(
 )
 EVAL = dict(
     EMBED,
-    ckpt='',                # an 'lm' or 'retrieval' checkpoint
+    ckpt='',
     peer='',                # also (or only) a sentence-transformers model: a folder or a hub name
     pairs='',               # a pairs JSONL file ({"query": ..., "target": ...} per line)
     n=','.join(map(str, DEFAULT_NS)),  # Table 1's n (n-1 candidates), capped at the pairs + 1
     seed=0,                 # seed of the sampled negatives
     json='',                # also write the metrics to this JSON file
 )
-INDEX = dict(
-    EMBED,
-    ckpt='',                # the embedding model (best: a 'retrieval' checkpoint)
-    docs='',                # comma-separated folders, text files and .jsonl files ("text" fields)
-    index='out/index',      # the index folder to write
-    min_chunk=16,           # a document's last chunk shorter than this (tokens) joins the one
-                            # before it (0: never)
-    overwrite=False,        # replace the index already in --index
-)
 SEARCH = dict(
-    index='out/index',      # an index folder made by retrieve.py index
+    EMBED,
+    ckpt='',
+    docs='',                # comma-separated folders, text files and .jsonl files ("text" fields)
     query='',               # the text to look for
-    k=5,                    # how many results
-    ckpt='',                # the index's model, if it moved (its weights must match the index's)
+    k=5,                    # how many chunks to print
     show=300,               # characters of each chunk to print
-    device='auto', dtype='auto',
+    min_chunk=16,           # a document's last chunk under this many tokens joins the one before
 )
 
 
 # ----------------------------------------------------------------------------- files
 
-def read_jsonl(path):
-    """(line number, JSON value) per non-blank line of a .jsonl file; a bad line names file:line."""
+def read_jsonl(path, fields):
+    """(line number, object) per non-blank line of a .jsonl file of objects with string `fields`;
+    a bad line is an error naming file:line."""
     rows = []
     for lineno, line in enumerate(read_text_file(path, 'JSONL file').split('\n'), 1):
-        if line.strip():
-            try:
-                rows.append((lineno, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg}): fix or delete "
-                                 f"that line") from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not (isinstance(row, dict) and all(isinstance(row.get(k), str) for k in fields)):
+            raise ValueError(f"{path}:{lineno}: not a JSON object with string fields "
+                             f"{', '.join(fields)}: fix or delete that line")
+        rows.append((lineno, row))
     return rows
 
 
 def read_pairs(path):
     """(queries, targets) from a pairs file of {"query": ..., "target": ...} lines."""
-    rows = read_jsonl(path)
-    for lineno, row in rows:
-        if not (isinstance(row, dict) and all(isinstance(row.get(k), str)
-                                              for k in ('query', 'target'))):
-            raise ValueError(f"{path}:{lineno}: not an object with string fields 'query' and "
-                             f"'target'")
-    if len(rows) < 2:
-        raise ValueError(f"{path} holds {len(rows)} pair(s): retrieval needs at least 2")
-    return [row['query'] for _, row in rows], [row['target'] for _, row in rows]
-
-
-def write_json(path, obj):
-    write_atomic(path, json.dumps(obj, indent=1) + '\n')
+    rows = [row for _, row in read_jsonl(path, ('query', 'target'))]
+    assert len(rows) >= 2, f"{path} holds {len(rows)} pair(s): retrieval needs at least 2"
+    return [row['query'] for row in rows], [row['target'] for row in rows]
 
 
 # ----------------------------------------------------------------------------- embeddings
@@ -198,15 +184,15 @@ class TextEncoder(nn.Module):
     rows, the last hidden state at window position embed_pos (normalize=False: raw). Left padding
     puts every text's last token at -1, a position a masked mixer (a weight per position) was
     trained on (the paper read -2: its models shifted targets inside and never trained the last).
-    trim: pad columns skipped where that is exact (trimmed_hidden). Its state_dict is the model's."""
+    trim: pad columns skipped where that is exact (trimmed_hidden). Its state_dict is the
+    model's."""
 
     def __init__(self, model, embed_pos=-1, trim=True, normalize=True):
         super().__init__()
         self.model, self.embed_pos, self.normalize = model, embed_pos, normalize
         self.trim = trim and trimmable(model.cfg)
-        if not -model.cfg.n_ctx <= embed_pos < model.cfg.n_ctx:
-            raise ValueError(f"embed_pos={embed_pos} is outside the n_ctx={model.cfg.n_ctx} "
-                             f"window: use -1 or -2")
+        n = model.cfg.n_ctx
+        assert -n <= embed_pos < n, f"embed_pos={embed_pos} is outside the n_ctx={n} window"
 
     def forward(self, idx, mask):
         if self.trim:
@@ -233,20 +219,15 @@ def text_encoder(ckpt, path, embed_pos=0, normalize=True):
 
 class Embedder:
     """A checkpoint's encoder and tokenizer: texts -> unit embeddings (N, d_model), batched, no
-    grad (normalize=False: the raw last hidden states); progress on stderr when it takes long."""
+    grad (normalize=False: the raw last hidden states)."""
 
     def __init__(self, ckpt_path, device='auto', dtype='auto', batch_size=32, embed_pos=0,
                  normalize=True):
         ckpt = train.load_checkpoint(ckpt_path)
         self.encoder = text_encoder(ckpt, ckpt_path, embed_pos, normalize)
-        h, weights = hashlib.sha256(), ckpt['model']  # an index knows which weights embedded it
-        for name in sorted(weights):
-            h.update(name.encode())
-            h.update(weights[name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
-        self.path, self.fingerprint = os.path.abspath(ckpt_path), h.hexdigest()[:16]
         self.device = train.resolve_device(str(device))
         self.dtype, _ = train.choose_dtype(self.device, dtype, ckpt.get('dtype'), reading=True)
-        self.batch_size, self.progress = batch_size, True
+        self.batch_size = batch_size
         self.encoder.to(self.device).eval()
         self.n_ctx, self.d_model = self.encoder.model.cfg.n_ctx, self.encoder.model.cfg.d_model
         self.data = ckpt['data']                                 # data_dir and meta: the tokenizer
@@ -254,16 +235,15 @@ class Embedder:
 
     @torch.no_grad()
     def embed_tokens(self, seqs):
-        out, t0, shown = [torch.zeros(0, self.d_model)], time.perf_counter(), 0.0
+        out = []
+        bar = tqdm(total=len(seqs), desc='embedding', unit='text', leave=False,
+                   disable=os.environ.get('RANK', '0') != '0')  # DDP: rank 0 shows it
         for i in range(0, len(seqs), self.batch_size):
             idx, mask = left_pad(seqs[i:i + self.batch_size], self.n_ctx, self.tok.pad_id)
             with train.autocast(self.device, self.dtype):
                 out.append(self.encoder(idx.to(self.device), mask.to(self.device)).float().cpu())
-            done, dt = i + len(idx), time.perf_counter() - t0
-            if self.progress and done < len(seqs) and dt - shown >= PROGRESS_S:
-                shown = dt
-                print(f"embedding: {done}/{len(seqs)} texts in {dt:.0f}s, about "
-                      f"{dt * (len(seqs) - done) / done:.0f}s to go", file=sys.stderr)
+            bar.update(len(idx))
+        bar.close()
         return torch.cat(out)
 
     def __call__(self, texts):  # str list -> (N, d_model) float32; bos first, as in pretraining
@@ -277,8 +257,7 @@ def sample_candidates(match, n_pool, k, generator=None):
     of n_pool: k-1 distinct non-matching ones in random order, the match at a uniformly random
     slot. Returns cands (B, k) and labels (B,), the match's slot."""
     B = match.shape[0]
-    if not 2 <= k <= n_pool:
-        raise ValueError(f"{k} candidates per query need 2 <= k <= {n_pool} (the pool size)")
+    assert 2 <= k <= n_pool, f"{k} candidates per query need 2 <= k <= {n_pool} (the pool size)"
     keys = torch.rand(B, n_pool, generator=generator)
     keys[torch.arange(B), match] = 2.0                             # never drawn as a negative
     cands = torch.cat([keys.topk(k - 1, dim=1, largest=False).indices, match[:, None]], dim=1)
@@ -315,9 +294,8 @@ class PairBatches:
         for split in train.SPLITS:
             path = os.path.join(cfg['data_dir'], f'pairs_{split}.jsonl')
             queries, targets = read_pairs(path)
-            if len(queries) < need:
-                raise ValueError(f"{path} holds {len(queries)} pairs, fewer than the {need} a "
-                                 f"batch needs (negatives={cfg['negatives']}): lower --batch_size")
+            assert len(queries) >= need, f"{path} holds {len(queries)} pairs, fewer than the " \
+                f"{need} a batch needs (negatives={cfg['negatives']}): lower --batch_size"
             self.pairs[split] = tuple([tok.encode(t, bos=True) for t in texts]
                                       for texts in (queries, targets))
 
@@ -343,21 +321,17 @@ def cmd_train(cfg):
     """InfoNCE fine-tuning (paper §6.3) on train.py's loop: DDP, AMP, budgets, exact resume."""
     if cfg['symmetric'] and cfg['negatives'] != 'inbatch':
         raise ValueError("--symmetric=True needs --negatives=inbatch (a paper group has one query)")
-    resume = None
-    if cfg['init_from'] == 'resume':
-        resume = src = train.load_checkpoint(os.path.join(cfg['out_dir'], 'ckpt.pt'))
-        if src['kind'] != 'retrieval':
-            raise ValueError(f"{cfg['out_dir']}/ckpt.pt is a {src['kind']!r} checkpoint, "
-                             f"not one of retrieve.py train's")
-        init_from = src['init_from']
-    else:
-        src, init_from = train.load_checkpoint(cfg['init_from']), os.path.abspath(cfg['init_from'])
-    encoder = text_encoder(src, cfg['init_from'], cfg['embed_pos'])
+    resuming = cfg['init_from'] == 'resume'
+    path = os.path.join(cfg['out_dir'], 'ckpt.pt') if resuming else cfg['init_from']
+    src = train.load_checkpoint(path)
+    if resuming and src['kind'] != 'retrieval':
+        raise ValueError(f"{path} is a {src['kind']!r} checkpoint, not one of retrieve.py train's")
+    resume, init_from = (src, src['init_from']) if resuming else (None, os.path.abspath(path))
+    encoder = text_encoder(src, path, cfg['embed_pos'])
     embed_pos, n_ctx = encoder.embed_pos, encoder.model.cfg.n_ctx
+    train.check_run_dir(cfg['out_dir'], resume is None, cfg['overwrite'])
     rt = train.setup_runtime(cfg, resume and resume.get('dtype'))  # a resumed run keeps its dtype
-    try:   # every rank learns of a refusal (see check_on_every_rank)
-        train.check_on_every_rank(rt, lambda: train.check_run_dir(cfg['out_dir'], resume is None,
-                                                                  cfg['overwrite']))
+    try:
         tok = Tokenizer.from_meta(src['data']['meta'], src['data']['data_dir'])
         get_batch = PairBatches(cfg, tok, n_ctx)
         # freeze what embeddings do not use (lm head, a decoder): AdamW and DDP skip it
@@ -437,17 +411,15 @@ def peer_embedder(name, device, batch_size):
     """A sentence-transformers model (a folder or a hub name) as texts -> unit rows (N, d): a known
     retriever scored on the same pairs. The optional package is imported only here."""
     how = ("pass a model folder, --peer=PATH (README, Retrieval, installs all-MiniLM-L6-v2 "
-           "offline); sentence-transformers is optional, not in requirements.txt")
+           "offline); sentence-transformers is optional: pip install sentence-transformers")
     try:
         from sentence_transformers import SentenceTransformer
     except ImportError:
-        raise ValueError(f"--peer needs sentence-transformers: pip install sentence-transformers "
-                         f"or {how}") from None
-    hub, local = os.environ.get('HF_ENDPOINT', 'https://huggingface.co'), os.path.isdir(name)
+        raise ValueError(f"--peer needs sentence-transformers: {how}") from None
+    hub, cache_only = os.environ.get('HF_ENDPOINT', 'https://huggingface.co'), {}
     try:   # the hub client retries an unreachable hub for a minute: look first, then cache only
-        if not (local or os.environ.get('HF_HUB_OFFLINE', '0').lower() in ('1', 'on', 'true')):
+        if not os.path.isdir(name):
             check_online(hub, '')
-        cache_only = {}
     except ValueError:
         cache_only = dict(local_files_only=True)
     try:
@@ -456,40 +428,34 @@ def peer_embedder(name, device, batch_size):
         why = f"{hub} is out of reach" if cache_only else str(e).splitlines()[0]
         raise ValueError(f"--peer={name}: sentence-transformers could not load it ({why}): "
                          f"{how}") from None
-    return lambda texts: F.normalize(torch.as_tensor(np.asarray(model.encode(
-        texts, batch_size=batch_size, convert_to_numpy=True)), dtype=torch.float32), dim=-1)
+    return lambda texts: F.normalize(torch.as_tensor(model.encode(texts, batch_size=batch_size))
+                                     .float(), dim=-1)
 
 
 def cmd_eval(cfg):
     if not (cfg['ckpt'] or cfg['peer']):
         raise ValueError("nothing to evaluate: pass --ckpt=CKPT and/or --peer=NAME_OR_PATH")
     queries, targets = read_pairs(cfg['pairs'])
-    ns, device = int_list(cfg['n'], 'n', low=3), train.resolve_device(cfg['device'])
-    models, results = {}, {}
+    ns, device, models = int_list(cfg['n'], 'n', low=3), train.resolve_device(cfg['device']), {}
     if cfg['ckpt']:
-        embedder = Embedder(cfg['ckpt'], device, cfg['dtype'], cfg['batch_size'], cfg['embed_pos'])
-        models[cfg['ckpt']] = embedder, (f"embed_pos {embedder.encoder.embed_pos}, "
-                                         f"{str(embedder.dtype)[6:]}")
+        models['ckpt'] = Embedder(cfg['ckpt'], device, cfg['dtype'], cfg['batch_size'],
+                                  cfg['embed_pos'])
     if cfg['peer']:
-        models[cfg['peer']] = (peer_embedder(cfg['peer'], device, cfg['batch_size']),
-                               "sentence-transformers peer")
-    ns = capped(ns, 'n', len(queries))  # noted once the models have loaded
-    for name, (embed, how) in models.items():
+        models['peer'] = peer_embedder(cfg['peer'], device, cfg['batch_size'])
+    ns, results = capped(ns, 'n', len(queries)), {}  # noted once the models have loaded
+    for key, embed in models.items():
         t0 = time.perf_counter()
-        q, t = embed(queries), embed(targets)
-        t1 = time.perf_counter()
-        m = results[name] = retrieval_metrics(q, t, ns, cfg['seed'])
-        print(f"{name}: {len(queries)} pairs from {cfg['pairs']}, {how}; embedding "
-              f"{t1 - t0:.1f}s ({2 * len(queries) / (t1 - t0):.0f} seq/s), ranking "
-              f"{time.perf_counter() - t1:.2f}s")
+        m = results[key] = retrieval_metrics(embed(queries), embed(targets), ns, cfg['seed'])
+        print(f"{cfg[key]}: {len(queries)} pairs from {cfg['pairs']}, embedded and ranked in "
+              f"{time.perf_counter() - t0:.1f}s")
         print('n      ' + ''.join(f"{n:>8}" for n in m['top1']))
         print('top-1% ' + ''.join(f"{v:8.1f}" for v in m['top1'].values()))
         r = m['recall@k']
         print(f"against all {m['n_pairs']} targets: MRR@10 {m['mrr@10']:.3f}, "
               f"recall@1 {r['1']:.1f}%, recall@5 {r['5']:.1f}%, recall@10 {r['10']:.1f}%")
     if cfg['json']:  # one model: its metrics; with --peer: {"ckpt": ..., "peer": ...}
-        write_json(cfg['json'], results[cfg['ckpt']] if not cfg['peer'] else
-                   {k: results[cfg[k]] for k in ('ckpt', 'peer') if cfg[k]})
+        out = results if cfg['peer'] else results['ckpt']
+        write_atomic(cfg['json'], json.dumps(out, indent=1) + '\n')
     return 0
 
 
@@ -536,21 +502,16 @@ def cmd_indirect(cfg):
     states at embed_pos, as the author's code feeds them (normalize=True: unit rows x sqrt(d))."""
     pairs = {s: read_pairs(os.path.join(cfg['data_dir'], f'pairs_{s}.jsonl')) for s in train.SPLITS}
     cs = capped(int_list(cfg['c'], 'c', low=3), 'c', min(len(pairs[s][0]) for s in pairs))
-    rt, n_val = train.setup_runtime(cfg), len(pairs['val'][0])
-    try:   # every output location, before any embedding or training, on every rank
-        outs = {c: os.path.join(cfg['out_dir'], f'c{c}') for c in cs}
-        train.check_on_every_rank(rt, lambda: [train.check_run_dir(out, True, cfg['overwrite'],
-                                                                   False) for out in outs.values()])
+    outs, n_val = {c: os.path.join(cfg['out_dir'], f'c{c}') for c in cs}, len(pairs['val'][0])
+    for folder in outs.values():   # every output location, before any embedding or training
+        train.check_run_dir(folder, True, cfg['overwrite'], resumable=False)
+    rt, ckpt = train.setup_runtime(cfg), os.path.abspath(cfg['ckpt'])
+    try:
         embedder = Embedder(cfg['ckpt'], rt.device, cfg['dtype'], embed_pos=cfg['embed_pos'],
                             normalize=cfg['normalize'])
-        embedder.progress, t0 = rt.master, time.perf_counter()
         # normalize: unit rows scaled to unit RMS per component, O(1) inputs whatever d_model
         scale = math.sqrt(embedder.d_model) if cfg['normalize'] else 1.0
         emb = {s: tuple(embedder(texts) * scale for texts in pairs[s]) for s in train.SPLITS}
-        if rt.master:
-            print(f"embedded {sum(2 * len(pairs[s][0]) for s in pairs)} texts with {cfg['ckpt']} "
-                  f"in {time.perf_counter() - t0:.1f}s (frozen, embed_pos "
-                  f"{embedder.encoder.embed_pos})")
         results = {}
         for c in cs:
             def get_batch(split, step, micro, shard=0, shards=1, c=c):
@@ -566,8 +527,7 @@ def cmd_indirect(cfg):
             mixer = dict(d_model=embedder.d_model, n_layers=cfg['n_layers'], c=c)
             model = RetrievalMixer(**mixer)
             extra = {'kind': 'indirect', 'retrieval_mixer': mixer, 'data': embedder.data,
-                     'embedder': dict(ckpt=embedder.path, fingerprint=embedder.fingerprint,
-                                      embed_pos=embedder.encoder.embed_pos,
+                     'embedder': dict(ckpt=ckpt, embed_pos=embedder.encoder.embed_pos,
                                       normalize=cfg['normalize'])}
             with contextlib.redirect_stdout(Labelled(sys.stdout, f"c={c}: ")):
                 stats = train.fit(dict(cfg, out_dir=outs[c]), rt, model, get_batch,
@@ -582,136 +542,51 @@ def cmd_indirect(cfg):
     finally:
         rt.close()
     if rt.master and cfg['json']:
-        write_json(cfg['json'], {'c': results, 'n_val': n_val, 'ckpt': embedder.path})
+        out = {'c': results, 'n_val': n_val, 'ckpt': ckpt}
+        write_atomic(cfg['json'], json.dumps(out, indent=1) + '\n')
     return 0
 
 
-# ----------------------------------------------------------------------------- index and search
-
-def read_text(path):
-    """A file's text, or None for a binary one (NUL bytes, or not UTF-8)."""
-    with open(path, 'rb') as f:
-        data = f.read()
-    try:
-        return None if b'\0' in data else data.decode('utf-8')
-    except UnicodeDecodeError:
-        return None
-
+# ----------------------------------------------------------------------------- search
 
 def collect_documents(paths):
-    """(source, text) for every document under paths: a folder's text files (recursively, hidden
-    entries and binary files skipped), a text file, or a .jsonl file's "text" (or "target")."""
+    """(source, text) for every document under paths: a folder's UTF-8 files (recursively, hidden
+    entries and binary files skipped), a .jsonl file's "text" fields, or a text file."""
     docs = []
     for path in paths:
         if os.path.isdir(path):
-            docs += [(f, text) for f in visible_files(path) if (text := read_text(f)) is not None]
+            for f in visible_files(path):
+                with contextlib.suppress(ValueError):             # not UTF-8: a binary file
+                    docs.append((f, read_text_file(f, 'document')))
         elif path.endswith('.jsonl'):
-            for lineno, row in read_jsonl(path):
-                text = row.get('text', row.get('target')) if isinstance(row, dict) else None
-                if not isinstance(text, str):
-                    raise ValueError(f"{path}:{lineno}: no string field 'text' (or 'target')")
-                docs.append((f"{path}:{lineno}", text))
-        elif not os.path.isfile(path):
-            raise ValueError(f"no such file or folder: {path}")
-        elif (text := read_text(path)) is None:
-            raise ValueError(f"{path} is not a UTF-8 text file")
+            rows = read_jsonl(path, ('text',))
+            docs += [(f"{path}:{lineno}", row['text']) for lineno, row in rows]
         else:
-            docs.append((path, text))
+            docs.append((path, read_text_file(path, 'document')))
     return docs
 
 
-def cmd_index(cfg):
-    index, manifest = cfg['index'], os.path.join(cfg['index'], 'manifest.json')
-    if os.path.isfile(manifest) and not cfg['overwrite']:
-        raise ValueError(f"--index={index} already holds an index: replace it with --overwrite, "
-                         f"or pass a new --index folder")
-    if os.path.isdir(index) and os.listdir(index) and not os.path.isfile(manifest):
-        raise ValueError(f"--index={index} is a folder of other files, not an index: pass a new "
-                         f"or empty folder")
-    check_out_dir(index, flag='index')
+def cmd_search(cfg):
+    """Embed the documents in memory, a chunk per window, and print the chunks nearest the query."""
     embedder = Embedder(cfg['ckpt'], cfg['device'], cfg['dtype'], cfg['batch_size'],
                         cfg['embed_pos'])
-    docs = collect_documents([p for p in cfg['docs'].split(',') if p])
-    if not docs:
-        raise ValueError(f"no text documents found in --docs={cfg['docs']}")
-    tok, step = embedder.tok, embedder.n_ctx - 1                  # bos is added to each chunk
-    meta, seqs = [], []
-    for source, text in docs:
+    tok, step = embedder.tok, embedder.n_ctx - 1                 # bos is added to each chunk
+    chunks, seqs = [], []
+    for source, text in collect_documents(cfg['docs'].split(',')):
         ids = tok.encode(text)
         starts = list(range(0, max(len(ids), 1), step))
         if len(starts) > 1 and len(ids) - starts[-1] < cfg['min_chunk']:
             starts.pop()   # a tiny tail, which cosines rank high, is shown with the chunk before it
         for a, b in zip(starts, starts[1:] + [len(ids)]):
-            meta.append({'source': source, 'offset': a, 'text': tok.decode(ids[a:b])})
+            chunks.append((source, a, tok.decode(ids[a:b])))
             seqs.append([tok.bos_id] + ids[a:a + step])          # a chunk's embedding: its window
-    t0 = time.perf_counter()
-    emb = embedder.embed_tokens(seqs).numpy()
-    dt = time.perf_counter() - t0
-    # the data files carry a content stamp and the manifest, replaced last, names them: a crash
-    # while rebuilding leaves the previous index whole
-    buf = io.BytesIO()
-    np.save(buf, emb)
-    stamp = hashlib.sha256(buf.getvalue()).hexdigest()[:12]
-    files = {'embeddings': f'embeddings.{stamp}.npy', 'chunks': f'chunks.{stamp}.jsonl'}
-    write_atomic(os.path.join(index, files['embeddings']), buf.getvalue())
-    write_atomic(os.path.join(index, files['chunks']), ''.join(json.dumps(m) + '\n' for m in meta))
-    write_json(manifest, {'ckpt': embedder.path, 'fingerprint': embedder.fingerprint,
-                          'embed_pos': embedder.encoder.embed_pos, 'n_ctx': embedder.n_ctx,
-                          'n_chunks': len(meta), 'n_documents': len(docs), **files})
-    for name in os.listdir(index):                                 # the previous build's files
-        if name.startswith(('embeddings.', 'chunks.')) and name not in files.values():
-            os.remove(os.path.join(index, name))
-    print(f"indexed {len(docs)} documents as {len(meta)} chunks of <= {embedder.n_ctx} tokens in "
-          f"{index} ({dt:.1f}s, {len(seqs) / dt:.0f} chunks/s)")
-    return 0
-
-
-# each field search reads from an index's manifest.json, and the type cmd_index writes it as
-MANIFEST = dict(embeddings=str, chunks=str, n_chunks=int, ckpt=str, embed_pos=int, fingerprint=str)
-
-
-def open_index(index):
-    """An index's manifest (dict), embeddings (N, d) float32 and chunks (N dicts); a missing or
-    damaged file is an error naming it and the command that rebuilds the index."""
-    culprit = os.path.join(index, 'manifest.json')
-    build = f"python retrieve.py index --ckpt=CKPT --docs=PATH --index={index}"
-    if not os.path.isfile(culprit):
-        raise ValueError(f"no index at {index}: build one with {build}")
-    try:   # the manifest's JSON and fields, then a data file deleted or cut short
-        manifest = json.loads(read_text_file(culprit, 'index manifest'))
-        if not isinstance(manifest, dict):
-            raise ValueError("not a JSON object")
-        for key, kind in MANIFEST.items():
-            if not isinstance(manifest.get(key), kind) or isinstance(manifest[key], bool):
-                raise ValueError(f"no {kind.__name__} field {key!r}")
-        culprit = os.path.join(index, manifest['embeddings'])
-        emb = torch.from_numpy(np.load(culprit))
-        culprit = os.path.join(index, manifest['chunks'])
-        chunks = [row for _, row in read_jsonl(culprit)]
-        if not len(emb) == len(chunks) == manifest['n_chunks']:
-            raise ValueError("embeddings and chunks disagree")
-    except (OSError, ValueError, EOFError) as e:
-        raise ValueError(f"index file {culprit} cannot be read ({e}): rebuild the index with "
-                         f"{build} --overwrite") from None
-    return manifest, emb, chunks
-
-
-def cmd_search(cfg):
-    if not cfg['query'].strip():
-        raise ValueError("empty query: pass the text to look for, e.g. --query=\"open a file\"")
-    manifest, emb, chunks = open_index(cfg['index'])
-    embedder = Embedder(cfg['ckpt'] or manifest['ckpt'], cfg['device'], cfg['dtype'],
-                        embed_pos=manifest['embed_pos'])
-    if embedder.fingerprint != manifest['fingerprint']:
-        raise ValueError(f"index {cfg['index']} was built with other weights ({manifest['ckpt']}, "
-                         f"fingerprint {manifest['fingerprint']}) than {embedder.path} "
-                         f"({embedder.fingerprint}): rebuild it with python retrieve.py index "
-                         f"--ckpt={embedder.path} ...")
+    assert chunks, f"no text documents in --docs={cfg['docs']}"
+    emb = embedder.embed_tokens(seqs)                            # (chunks, d_model) unit rows
     top = (emb @ embedder([cfg['query']])[0]).topk(min(cfg['k'], len(chunks)))  # the best cosines
-    for rank, (s, i) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
-        c = chunks[i]
-        print(f"{rank}. {s:.3f}  {c['source']} @ token {c['offset']}")
-        print('   ' + c['text'][:cfg['show']].replace('\n', '\n   '))
+    for rank, (score, i) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
+        source, offset, text = chunks[i]
+        print(f"{rank}. {score:.3f}  {source} @ token {offset}")
+        print('   ' + text[:cfg['show']].replace('\n', '\n   '))
     return 0
 
 
@@ -721,8 +596,8 @@ COMMANDS = {
     'train': (cmd_train, TRAIN, ('init_from=out/ckpt.pt',)),
     'eval': (cmd_eval, EVAL, ('pairs=data/pystdlib/pairs_val.jsonl',)),
     'indirect': (cmd_indirect, INDIRECT, ('ckpt=out/ckpt.pt',)),
-    'index': (cmd_index, INDEX, ('ckpt=out-retrieval/ckpt.pt', 'docs=src/,notes.txt')),
-    'search': (cmd_search, SEARCH, ('query="parse an ISO date"',)),
+    'search': (cmd_search, SEARCH, ('ckpt=out-retrieval/ckpt.pt', 'docs=src/,notes.txt',
+                                    'query="parse an ISO date"')),
 }
 CHOICES = dict(negatives=('inbatch', 'paper'), dtype=train.CHOICES['dtype'],
                schedule=train.CHOICES['schedule'])
@@ -738,11 +613,6 @@ def run(argv):
     command, defaults, required = COMMANDS[argv[0]]
     cfg = parse_args(argv[1:], defaults, __doc__,
                      {k: v for k, v in CHOICES.items() if k in defaults})
-    for key, low in dict(batch_size=1, k=1, show=0, seed=0, n_layers=1).items():  # this command's
-        if key in cfg and cfg[key] < low:
-            raise ValueError(f"--{key}={cfg[key]} is out of range: use a value >= {low}")
-    if 'max_iters' in defaults:  # train and indirect run train.py's loop
-        train.check_loop(cfg)
     for example in required:
         if not cfg[example.split('=')[0]]:
             raise ValueError(f"retrieve.py {argv[0]} needs --{example} (see python retrieve.py "

@@ -114,16 +114,9 @@ REFUSALS = [
     ('prepare', ['tinystories', '--pairs=docstring', OUT], 'docstring'),
     # < 260 + its 94 characters
     ('prepare', ['text', '--input={tmp}/ascii.txt', '--vocab_size=262', OUT], 'vocab_size'),
-    ('retrieve', ['frobnicate'], 'frobnicate'), ('retrieve', [*EVAL, '--n=1x'], '1x'),
-    ('retrieve', [*EVAL, '--n=2,32'], '2,32'),
-    ('retrieve', ['eval', '--ckpt={tmp}/x.pt', '--pairs={tmp}/y.jsonl', '--batch_size=0'],
-     'batch_size'),
-    ('retrieve', ['indirect', '--ckpt={mixer}', '--data_dir={pairs}', '--c=2'], 'c='),
+    ('retrieve', ['frobnicate'], 'frobnicate'), ('retrieve', [*EVAL, '--n=2,32'], '2,32'),
     ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--negatives=hard'],
      'hard'),
-    ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--batch_sise=4'],
-     'batch_sise'),
-    ('retrieve', ['train', '--init_from={tmp}/x.pt', '--warmup_iters=-2'], 'warmup_iters'),
     ('bench', ['sideways'], 'sideways'), ('bench', ['throughput', '--n_ctx=abc'], 'n_ctx'),
     ('bench', ['throughput', '--batch_size=1,16'], 'batch_size'),  # a list only in generate
     ('bench', ['throughput', '--archs=rnn'], 'rnn'),
@@ -140,16 +133,14 @@ REFUSALS = [
     *[('bench', ['represent', arg], arg.split('=')[0]) for arg in [
         '--warmup=-1', '--mem_limit=-1', '--prompt=0', '--steps=0', '--seed=-1', '--lr=0',
         '--n_layers=0']],
-    ('retrieve', ['search', '--index=x', '--k=0'], 'k'),
-    ('retrieve', ['search', '--index=x', '--show=-1'], 'show'),
-    ('retrieve', ['eval', '--ckpt=x', '--pairs=y', '--seed=-1'], 'seed'),
-    ('retrieve', ['indirect', '--ckpt=x', '--n_layers=0'], 'n_layers'),
-    ('retrieve', ['train', '--init_from=x', '--eval_iters=0'], 'eval_iters'),
     # a required flag missing, or two that exclude each other
     ('prepare', ['text', OUT], 'input'), ('prepare', ['pystdlib', '--input=x.txt', OUT], 'input'),
     ('retrieve', [*EVAL[:2]], 'pairs'),
     ('retrieve', ['eval', '--pairs={pairs}/pairs_val.jsonl'], 'ckpt'),
     ('retrieve', ['train', '--data_dir={pairs}'], 'init_from'),
+    ('retrieve', ['search', '--ckpt={mixer}', '--docs={pairs}/pairs_val.jsonl'], 'query'),
+    ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--negatives=paper',
+                  '--symmetric=True'], 'symmetric'),
     ('sample', [*SAMPLE, '--ckpt={trained}/ckpt.pt'], 'ckpt'),
     # input files: missing, empty, unreadable, or not what they should be
     ('train', ['--data_dir={tmp}/nope', OUT], '{tmp}/nope'),
@@ -168,13 +159,15 @@ REFUSALS = [
     ('prepare', ['text', '--input={tmp}/blank.txt', OUT], 'empty'),
     ('prepare', ['pystdlib', '--tokenizer=missing.model', OUT], 'missing.model'),
     ('prepare', ['pystdlib', '--tokenizer={tmp}/blank.txt', OUT], 'blank.txt'),
+    ('retrieve', ['eval', '--ckpt={mixer}', '--pairs={tmp}/none.jsonl'], 'none.jsonl'),
     ('retrieve', ['eval', '--ckpt={mixer}', '--pairs={tmp}/bad.jsonl'], 'bad.jsonl:3'),
     ('retrieve', ['eval', '--ckpt={mixer}', '--pairs={tmp}/latin1.jsonl'], 'latin1.jsonl'),
     ('retrieve', ['eval', '--ckpt={tmp}/none.pt', '--pairs={pairs}/pairs_val.jsonl'], 'none.pt'),
+    ('retrieve', ['eval', '--ckpt={tmp}/cut/ckpt.pt', '--pairs={pairs}/pairs_val.jsonl'],
+     '{tmp}/cut/ckpt.pt'),
     ('retrieve', ['eval', '--ckpt={tmp}/indirect.pt', '--pairs={pairs}/pairs_val.jsonl'],
      'indirect'),
-    ('retrieve', ['index', '--ckpt={mixer}', '--docs={tmp}/missing', '--index={tmp}/i'], 'missing'),
-    ('retrieve', ['search', '--index={tmp}/nothing', '--query=x'], 'nothing'),
+    ('retrieve', ['search', '--ckpt={mixer}', '--docs={tmp}/missing', '--query=x'], 'missing'),
     ('bench', ['retrieval', '--data_dir=/nonexistent'], '/nonexistent'),
     ('bench', ['represent', '--ckpt={tmp}/nope.pt'], 'nope.pt'),
     ('bench', ['represent', '--ckpt={trained}/ckpt.pt', '--data_dir={tmp}'], 'val.bin'),
@@ -188,15 +181,11 @@ REFUSALS = [
      '--overwrite'),
     ('retrieve', ['indirect', '--ckpt={mixer}', '--data_dir={pairs}', '--out_dir={tmp}/run',
                   '--c=4'], '--overwrite'),
-    ('retrieve', ['index', '--ckpt={mixer}', '--docs={pairs}/pairs_val.jsonl', '--index={tmp}/run'],
-     '--overwrite'),
     # output locations, checked before the work that fills them ({tmp}/file is a file)
     ('train', ['--data_dir={data}', '--out_dir={tmp}/file/out', *TINY], '{tmp}/file'),
     ('prepare', ['pystdlib', '--out_dir={tmp}/file'], '{tmp}/file'),
     ('retrieve', ['eval', '--ckpt={tmp}/x.pt', '--pairs={tmp}/y.jsonl', '--json={tmp}/file/m.json'],
      'json'),
-    ('retrieve', ['index', '--ckpt={tmp}/x.pt', '--docs={pairs}/pairs_val.jsonl',
-                  '--index={tmp}/file'], 'index'),
     ('bench', ['throughput', *BENCH_TINY, '--json={tmp}/file/rows.json'], 'json'),
     ('bench', ['memory', *BENCH_TINY, '--plot={tmp}'], 'plot'),
 ]
@@ -213,7 +202,7 @@ def scratch(tmp_path, data_dir):
                           ('bad.jsonl',
                            b'{"query": "a", "target": "b"}\n' * 2 + b'{"query": oops}\n'),
                           ('run/ckpt.pt', b'a long run'), ('run/log.jsonl', b'{"step": 1}\n'),
-                          ('run/manifest.json', b'{}'), ('run/c4/ckpt.pt', b'a long run')]:
+                          ('run/c4/ckpt.pt', b'a long run')]:
         (tmp_path / name).parent.mkdir(exist_ok=True, parents=True)
         (tmp_path / name).write_bytes(content)
     (tmp_path / 'empty').mkdir()
@@ -247,7 +236,7 @@ def test_refusal(script, argv, culprit, corpus, request, tmp_path, capsys):
 
 @pytest.mark.parametrize('script,words',
                          [('train', ['n_ctx']), ('sample', ['method']),
-                          ('retrieve', ['eval', 'index']),
+                          ('retrieve', ['eval', 'search']),
                                           ('prepare', ['max_tokens', *prepare.DATASETS]),
                                           ('bench', ['throughput'])])
 def test_help(script, words, capsys):
