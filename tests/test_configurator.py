@@ -128,11 +128,7 @@ REFUSALS = [
     ('bench', ['sideways'], 'sideways'), ('bench', ['throughput', '--n_ctx=abc'], 'n_ctx'),
     ('bench', ['throughput', '--batch_size=1,16'], 'batch_size'),  # a list only in generate
     ('bench', ['throughput', '--archs=rnn'], 'rnn'),
-    ('bench', ['throughput', *BENCH_TINY, '--repeats=0'], 'repeats'),
-    ('bench', ['generate', *BENCH_TINY, '--new_tokens=0'], 'new_tokens'),
-    ('bench', ['generate', *BENCH_TINY, '--prompt=2', '--new_tokens=2', '--methods=beam'], 'beam'),
     ('bench', ['generate', *BENCH_TINY, '--prompt=12', '--new_tokens=8'], 'n_ctx'),
-    ('bench', ['represent', *BENCH_TINY, '--layer=last'], 'layer'),
     ('bench', ['represent', '--ckpt={trained}/ckpt.pt', '--layer=3'], 'layer'),
     # each script's own ranges (the command-line layer knows none, section 7)
     *[('train', ['--data_dir=/nonexistent', arg], arg.split('=')[0]) for arg in [
@@ -140,9 +136,6 @@ REFUSALS = [
     ('sample', ['--seed=-1'], 'seed'),
     ('prepare', ['pystdlib', '--max_docs=-1'], 'max_docs'),
     ('prepare', ['pystdlib', '--max_tokens=-5'], 'max_tokens'),
-    *[('bench', ['represent', arg], arg.split('=')[0]) for arg in [
-        '--warmup=-1', '--mem_limit=-1', '--prompt=0', '--steps=0', '--seed=-1', '--lr=0',
-        '--n_layers=0']],
     ('retrieve', ['search', '--index=x', '--k=0'], 'k'),
     ('retrieve', ['search', '--index=x', '--show=-1'], 'show'),
     ('retrieve', ['eval', '--ckpt=x', '--pairs=y', '--seed=-1'], 'seed'),
@@ -177,9 +170,9 @@ REFUSALS = [
      'indirect'),
     ('retrieve', ['index', '--ckpt={mixer}', '--docs={tmp}/missing', '--index={tmp}/i'], 'missing'),
     ('retrieve', ['search', '--index={tmp}/nothing', '--query=x'], 'nothing'),
-    ('bench', ['retrieval', '--data_dir=/nonexistent'], '/nonexistent'),
+    ('bench', ['race', '--data_dir={tmp}/nope'], '{tmp}/nope'),
     ('bench', ['represent', '--ckpt={tmp}/nope.pt'], 'nope.pt'),
-    ('bench', ['represent', '--ckpt={trained}/ckpt.pt', '--data_dir={tmp}'], 'val.bin'),
+    ('bench', ['represent', '--ckpt={trained}/ckpt.pt', '--data_dir={tmp}'], '{tmp}'),
     # a resume that cannot continue: another architecture or n_ctx, a truncated checkpoint
     *[('train', [*RESUME, arg], arg[2:].split('=')[0]) for arg in ['--arch=llama', '--n_ctx=16']],
     ('train', ['--data_dir={data}', '--out_dir={tmp}/cut', *TINY, '--init_from=resume'], 'ckpt.pt'),
@@ -200,7 +193,7 @@ REFUSALS = [
     ('retrieve', ['index', '--ckpt={tmp}/x.pt', '--docs={pairs}/pairs_val.jsonl',
                   '--index={tmp}/file'], 'index'),
     ('bench', ['throughput', *BENCH_TINY, '--json={tmp}/file/rows.json'], 'json'),
-    ('bench', ['memory', *BENCH_TINY, '--plot={tmp}'], 'plot'),
+    ('bench', ['race', '--data_dir={data}', '--out_dir={tmp}/file/race'], '{tmp}/file'),
 ]
 
 
