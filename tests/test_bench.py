@@ -1,30 +1,21 @@
 """bench.py: every mode at tiny sizes, the representation metric on models whose answer is known
 by construction, the race."""
-import json, os, re, signal, subprocess, sys, time
+import contextlib, json, os, signal, subprocess, sys, time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 
-import bench, train
+import bench
 from model import ModelConfig, build_model
-from tests.conftest import HERE, BENCH_TINY, ENV, run_main, refused
+from tests.conftest import HERE, BENCH_TINY, ENV, run_main
 
 
-def test_bench_throughput_rows_and_mfu(tmp_path):
-    rows = bench.main(['throughput', '--archs=mixer,llama', *BENCH_TINY, '--warmup=1',
-                       '--repeats=2',
-                       f'--json={tmp_path}/rows.json'])
-    assert [r['arch'] for r in rows] == ['mixer', 'llama']
-    assert json.loads((tmp_path / 'rows.json').read_text()) == rows
-    for r in rows:
-        assert 0 < r['mfu'] <= 1 and r['tokens_per_s'] > 0 and r['peak_flops'] > 1e8
-        assert r['tokens_per_s'] == pytest.approx(2 * 16 / (r['ms_per_step'] / 1e3))
-
-
-def test_bench_throughput_oom_row_and_json_as_rows_finish(tmp_path, monkeypatch, capsys):
-    """A model that cannot be allocated is an OOM row, as in memory mode; --json holds each row as
-    soon as it is measured, so an interrupt after two rows leaves both."""
+def test_bench_throughput_rows_mfu_oom_and_json_as_rows_finish(tmp_path, monkeypatch, capsys):
+    """A row's tokens/s and MFU follow from its ms/step; a model that cannot be allocated is an OOM
+    row, as in memory mode; --json holds each row as soon as it is measured, so an interrupt after
+    two rows leaves both."""
     build = bench.build_model
 
     def build_or_fail(cfg):
@@ -34,27 +25,19 @@ def test_bench_throughput_oom_row_and_json_as_rows_finish(tmp_path, monkeypatch,
             raise KeyboardInterrupt
         return build(cfg)
     monkeypatch.setattr(bench, 'build_model', build_or_fail)
-    tiny = [a for a in BENCH_TINY if not a.startswith('--n_ctx')]
-    argv = ['throughput', '--archs=mixer', *tiny, '--warmup=1', '--repeats=1',
-            f'--json={tmp_path}/rows.json']
+    argv = ['throughput', '--archs=mixer', *BENCH_TINY, '--repeats=2', f'--json={tmp_path}/r.json']
     code, out, err = run_main(capsys, 'bench', *argv, '--n_ctx=16,24,32')
-    rows = json.loads((tmp_path / 'rows.json').read_text())
+    rows = json.loads((tmp_path / 'r.json').read_text())
     assert code == 130 and 'Traceback' not in err and 'mixer n_ctx=24: OOM' in out, (code, err)
     assert [(r['n_ctx'], r['tokens_per_s'] is None, r['mfu'] is None) for r in rows] == [
         (16, False, False), (24, True, True)]
     rows = bench.main(argv + ['--n_ctx=24,16'])   # a whole run: an OOM row, then a measured one
     assert [r['ms_per_step'] is None for r in rows] == [True, False]
-    assert json.loads((tmp_path / 'rows.json').read_text()) == rows
+    assert json.loads((tmp_path / 'r.json').read_text()) == rows
+    r = rows[1]
+    assert 0 < r['mfu'] <= 1 and r['peak_flops'] > 1e8
+    assert r['tokens_per_s'] == pytest.approx(2 * 16 / (r['ms_per_step'] / 1e3))
     assert '| mixer | 24 | 32 | 1 | 2 | float32 | OOM | OOM | OOM |' in capsys.readouterr().out
-
-
-def test_bench_retrieval_times_full_and_trimmed_steps(corpus):
-    rows = bench.main(['retrieval', '--archs=mixer,llama', '--d_model=32', '--n_layers=1',
-                       '--n_ctx=32', '--batch_size=4', '--dtype=float32',
-                       f'--data_dir={corpus.data}', '--warmup=1', '--repeats=1'])
-    assert [(r['arch'], r['padding']) for r in rows] == [('mixer', 'full'), ('mixer', 'trimmed'),
-                                                         ('llama', 'full'), ('llama', 'trimmed')]
-    assert all(r['ms_per_step'] > 0 and 0 < r['real_tokens'] < 1 for r in rows)
 
 
 def test_bench_memory(capsys):
@@ -66,30 +49,29 @@ def test_bench_memory(capsys):
     # 4096 x 256 token table, two 256x256 mixings) = ~17 MB
     assert len(rows) == 1 and 15 < rows[0]['mb'] < 200
     assert '| n_layers=2 |' in capsys.readouterr().out
-    assert bench.run_cell(bench.settings(['memory', *big, '--mem_limit=1'], 'memory'),
-                          'mixer', 2, 256) is None
+    limited = bench.settings(['memory', *big, '--mem_limit=1'], 'memory')
+    assert bench.run_cell(limited, 'mixer', 2, 256) is None
     small = ['--d_model=64', '--n_layers=2', '--n_ctx=512', '--dtype=float32', '--batch_size=2']
     one, eight = (bench.settings(['memory', *small, f'--n_heads={h}'], 'memory') for h in (1, 8))
     assert [cfg.n_heads for cfg in bench.grid(eight)] == [1, 8]  # the default archs: mixer, llama
     # the 7 more heads' attention weights kept for backward alone: 7 x 2 rows x 512^2 x 4 bytes x 2
     # layers = 29 MB (peak RSS shows 55 to 100 MB more, depending on the allocator's reuse)
-    assert bench.run_cell(eight, 'llama', 2,
-                          512) - bench.run_cell(one, 'llama', 2, 512) > 25 * 2**20
+    more = bench.run_cell(eight, 'llama', 2, 512) - bench.run_cell(one, 'llama', 2, 512)
+    assert more > 25 * 2**20
 
 
-def test_bench_generate_methods_batches_and_ceiling(monkeypatch):
-    """window at the first batch size, cache at each; every row beside its bandwidth ceiling."""
-    monkeypatch.setattr(bench, 'last_level_cache', lambda dev: 0)  # every step past the cache
+def test_bench_generate_methods_batches_and_bandwidth():
+    """window at the first batch size, cache at each; a row's GB/s is the bytes a step reads times
+    steps/s, beside the read bandwidth measured once for the run."""
     rows = bench.main(['generate', '--archs=mixer,llama', *BENCH_TINY, '--batch_size=1,3',
                        '--prompt=4', '--new_tokens=6'])
     runs = (('window', 1), ('cache', 1), ('cache', 3))
     assert [(r['arch'], r['method'], r['batch_size']) for r in rows] == [
         (a, m, b) for a in ('mixer', 'llama') for m, b in runs]
+    assert len({r['read_gb_per_s'] for r in rows}) == 1 and rows[0]['read_gb_per_s'] > 0.1
     for r in rows:
-        assert r['tokens_per_s'] > 0 and r['prefill_ms'] > 0 and r['gb_per_s'] > 0.1
-        ceiling = r['batch_size'] * r['gb_per_s'] * 1e9 / (r['mb_per_step'] * 1e6)
-        assert r['ceiling_tokens_per_s'] == pytest.approx(ceiling)
-        assert r['fraction'] == pytest.approx(r['tokens_per_s'] / ceiling)
+        steps_per_s = r['tokens_per_s'] / r['batch_size']
+        assert r['gb_per_s'] == pytest.approx(r['mb_per_step'] * 1e6 * steps_per_s / 1e9)
 
 
 def test_decode_bytes_weights_once_cache_rows_per_sequence():
@@ -114,13 +96,13 @@ def test_decode_bytes_weights_once_cache_rows_per_sequence():
     assert bench.decode_bytes(tied, 5) > vocab * d * 4  # the lm head reads the table
 
 
-def bench_mixer(vocab=128, **kw):
+def mixer(vocab=128, **kw):
     torch.manual_seed(0)
     return build_model(ModelConfig(**{**dict(vocab_size=vocab, n_ctx=16, d_model=32, n_layers=2),
                                       **kw}))
 
 
-def bench_tokens(vocab, shape=(2, 16)):
+def tokens(vocab, shape=(2, 16)):
     return torch.randint(vocab, shape, generator=torch.Generator().manual_seed(1))
 
 
@@ -135,18 +117,18 @@ def test_bench_represent_recovers_what_reaches_the_layer():
     """Zeroed blocks are identities, so O_l(e) = e: every token comes back (from the last position
     alone, none of the others). A constant block passes nothing: chance, 1 - 1/vocab. Pads are not
     counted (eq. 6)."""
-    model = bench_mixer()
+    model = mixer()
     with torch.no_grad():
         for p in model.backbone.blocks.parameters():
             p.zero_()
-    rows = bench.represent_rows(model, bench_tokens(128), [1, 2], steps=500, lr=0.05)
+    rows = bench.represent_rows(model, tokens(128), [1, 2], steps=500, lr=0.05)
     by = {(r['layer'], r['positions']): r for r in rows}
     assert by[2, 'all']['hamming'] == 0 and by[1, 'all']['hamming'] == 0
     assert by[2, 'last']['hamming'] > 0.8
     assert by[2, 'all']['converged'] == 1 and by[2, 'all']['loss'] < by[2, 'all']['epsilon']
-    model = bench_mixer(vocab=64)
+    model = mixer(vocab=64)
     model.backbone.blocks = nn.ModuleList([ConstantBlock()])
-    for r in bench.represent_rows(model, bench_tokens(64, (8, 16)), [1], steps=50, lr=0.05):
+    for r in bench.represent_rows(model, tokens(64, (8, 16)), [1], steps=50, lr=0.05):
         assert r['hamming'] == pytest.approx(1 - 1 / 64, abs=0.04)
     x, y = torch.tensor([[5, 6, 0, 0]]), torch.tensor([[5, 7, 1, 1]])
     assert bench.hamming(x, y, pad_id=0) == 0.5 and bench.hamming(x, y) == 0.75
@@ -167,12 +149,12 @@ def test_bench_represent_other_objectives_and_checkpoints(trained, data):
     forward; the two-stream bidirectional model has no single backbone to invert. A checkpoint is
     probed on its data."""
     for objective in ('autoencoder', 'half'):
-        rows = bench.represent_rows(bench_mixer(64, n_ctx=8, d_model=16, objective=objective),
-                                    bench_tokens(64, (1, 8)), [2], steps=3, lr=0.05)
+        rows = bench.represent_rows(mixer(64, n_ctx=8, d_model=16, objective=objective),
+                                    tokens(64, (1, 8)), [2], steps=3, lr=0.05)
         assert len(rows) == 2 and all(0 <= r['hamming'] <= 1 for r in rows)
     with pytest.raises(ValueError, match='embedding'):
-        bench.represent_rows(bench_mixer(64, n_ctx=8, d_model=16, objective='bidirectional'),
-                             bench_tokens(64, (1, 8)), [1], steps=3, lr=0.05)
+        bench.represent_rows(mixer(64, n_ctx=8, d_model=16, objective='bidirectional'),
+                             tokens(64, (1, 8)), [1], steps=3, lr=0.05)
     rows = bench.main(['represent', f'--ckpt={trained}/ckpt.pt', f'--data_dir={data}',
                        '--layer=1,2', '--steps=50'])
     assert [(r['layer'], r['positions']) for r in rows] == [(1, 'all'), (1, 'last'), (2, 'all'),
@@ -180,39 +162,18 @@ def test_bench_represent_other_objectives_and_checkpoints(trained, data):
     assert all(r['arch'] == 'mixer' and 0 <= r['hamming'] <= 1 for r in rows)
 
 
-def test_bench_all_prints_tables_writes_json_and_plot(tmp_path, capsys):
-    """`all` runs every mode; the plot is checked where the optional matplotlib is installed."""
-    try:
-        import matplotlib  # noqa: F401
-        has_plot = True
-    except ImportError:
-        has_plot = False
-    js, png = tmp_path / 'all.json', tmp_path / 'all.png'
+def test_bench_all_prints_tables_and_writes_json(tmp_path, capsys):
     rows = bench.main(['all', '--archs=mixer', *BENCH_TINY, '--prompt=4', '--new_tokens=4',
-                       '--steps=20', '--warmup=1', '--repeats=1', f'--json={js}',
-                       *([f'--plot={png}'] if has_plot else [])])
+                       '--steps=20', '--warmup=1', '--repeats=1', f'--json={tmp_path}/all.json'])
     out = capsys.readouterr().out
-    assert {r['mode'] for r in rows} == {'throughput', 'memory', 'generate', 'represent'}
-    assert all(f'## {mode}' in out for mode in ('throughput', 'memory', 'generate', 'represent'))
+    modes = ('throughput', 'memory', 'generate', 'represent')
+    assert {r['mode'] for r in rows} == set(modes) and all(f'## {m}' in out for m in modes)
     assert '| arch |' in out and '| n_layers=1 |' in out
-    assert json.loads(js.read_text()) == rows
-    assert not has_plot or (png.read_bytes()[:4] == b'\x89PNG'
-                            and not os.path.exists(f'{png}.tmp.png'))
+    assert json.loads((tmp_path / 'all.json').read_text()) == rows
 
 
 RACE_TINY = ['--d_model=16', '--n_layers=1', '--n_ctx=16', '--batch_size=2', '--eval_iters=1',
              '--log_interval=5', '--warmup_iters=0', '--device=cpu']
-
-
-def test_train_evaluates_at_marks_of_training_time(data, tmp_path):
-    """eval_seconds > 0 evaluates once per mark of training time (not every eval_interval steps),
-    logging the training seconds and tokens seen; the budget's last evaluation closes the run."""
-    assert train.main([f'--data_dir={data}', f'--out_dir={tmp_path}', *RACE_TINY, '--max_iters=0',
-                       '--max_time=1.2', '--eval_seconds=0.3', '--eval_interval=100000']) == 0
-    evals = [json.loads(line) for line in open(tmp_path / 'log.jsonl') if 'val_loss' in line]
-    marks = [int(e['time'] // 0.3) for e in evals[:-1]]  # the last one is the budget's
-    assert evals[0]['time'] == 0 and marks == sorted(set(marks)) and len(evals) >= 3
-    assert all(e['tokens_seen'] > 0 for e in evals[1:]) and evals[-1]['time'] >= 1.2
 
 
 @pytest.fixture(scope='module')
@@ -224,52 +185,56 @@ def tiny_race(data, tmp_path_factory):
     return out, rows, data
 
 
-def test_race_writes_table_json_and_picture(tiny_race, capsys):
+def test_race_writes_table_json_and_picture_runs_overlap(tiny_race):
+    """Each run evaluates once per 0.5 s mark of training time and at the end of its budget; on a
+    CPU the runs train at the same time: each starts before the other one ends."""
     import matplotlib.image
-    out, rows, data = tiny_race
+    out, rows, _ = tiny_race
     assert [r['arch'] for r in rows] == ['mixer', 'llama']
-    assert all(r['steps'] > 0 and r['tokens_per_s'] > 0 for r in rows)
-    assert all(r['best_val'] <= r['final_val'] for r in rows)
+    assert all(r['steps'] > 0 and r['tokens_per_s'] > 0 and r['best_val'] <= r['final_val']
+               for r in rows)
     assert 's_to_llama_best' in rows[0] and 's_to_mixer_best' in rows[1]
     assert '| mixer |' in (out / 'race.md').read_text()
-    result = json.loads((out / 'race.json').read_text())
-    assert all(len(result['curves'][a]) >= 3 for a in ('mixer', 'llama'))  # step 0, a mark, the end
     assert matplotlib.image.imread(out / 'race.png').ndim == 3
-    capsys.readouterr()
-    # one more race into the same out_dir would replace it: refused before any work
-    assert bench.main(['race', f'--out_dir={out}', f'--data_dir={data}', '--max_time=1']) == 2
-    assert '--overwrite' in capsys.readouterr().err
-
-
-def test_race_runs_overlap_in_time_on_cpu(tiny_race):
-    """On a CPU the runs train at the same time: each starts before the other one ends."""
-    runs = json.loads((tiny_race[0] / 'race.json').read_text())['settings']['status']
-    mixer, llama = runs['mixer'], runs['llama']
+    result = json.loads((out / 'race.json').read_text())
+    for curve in result['curves'].values():
+        marks = [int(e['time'] // 0.5) for e in curve[:-1]]  # the last one is the budget's
+        assert curve[0]['time'] == 0 and marks == sorted(set(marks)) and len(curve) >= 3
+        assert curve[-1]['time'] >= 1.5 and all(e['tokens_seen'] > 0 for e in curve[1:])
+    mixer, llama = result['settings']['status']['mixer'], result['settings']['status']['llama']
     assert mixer['exit'] == llama['exit'] == 0
     assert mixer['started'] < llama['ended'] and llama['started'] < mixer['ended']
 
 
-@pytest.mark.parametrize('argv, says', [
-    (['--max_time=0'], '--max_time=0'),
-    (['--archs=mixer,transformer'], "unknown arch 'transformer'")])
+def test_race_replaces_an_earlier_race_only_with_overwrite(tiny_race, capsys):
+    """Without --overwrite: refused before any run. With it, each run starts afresh: the curves
+    are the new race's alone (not the earlier race's log read on)."""
+    out, _, data = tiny_race
+    argv = ['race', f'--data_dir={data}', f'--out_dir={out}', *RACE_TINY, '--max_time=0.5']
+    assert bench.main(argv) == 2 and '--overwrite' in capsys.readouterr().err
+    assert len(bench.main([*argv, '--overwrite'])) == 2
+    for curve in json.loads((out / 'race.json').read_text())['curves'].values():
+        steps = [e['step'] for e in curve]
+        assert steps[0] == 0 and steps == sorted(set(steps)) and curve[-1]['time'] < 1.5
+
+
+@pytest.mark.parametrize('argv, says', [(['--max_time=0'], '--max_time=0'),
+                                        (['--archs=mixer,rnn'], "'rnn' is unknown")])
 def test_race_bad_budget_or_arch_is_one_line_error(argv, says, capsys):
     assert bench.main(['race', *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith('error: ') and says in err[0]
+    code, out, _ = run_main(capsys, 'bench', 'race', '--help')  # the race's own keys
+    assert code == 0 and 'same wall-clock budget' in out and '--max_time=420.0' in out
 
 
 def race_children(out):
     """Live processes whose command line names a folder under out (the race's runs)."""
-    found = []
+    cmds = {}
     for pid in filter(str.isdigit, os.listdir('/proc')):
-        try:
-            with open(f'/proc/{pid}/cmdline', 'rb') as f:
-                cmd = f.read().decode(errors='replace')
-        except OSError:
-            continue
-        if f'--out_dir={out}/' in cmd:
-            found.append(int(pid))
-    return found
+        with contextlib.suppress(OSError):  # it ended meanwhile
+            cmds[pid] = Path(f'/proc/{pid}/cmdline').read_bytes()
+    return [pid for pid, cmd in cmds.items() if f'--out_dir={out}/'.encode() in cmd]
 
 
 @pytest.mark.skipif(not os.path.isdir('/proc'), reason='reads /proc')
@@ -280,12 +245,12 @@ def test_race_ctrl_c_leaves_no_child_behind(data, tmp_path):
                              f'--data_dir={data}', f'--out_dir={tmp_path}', '--max_time=600',
                              '--eval_seconds=300'], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=ENV, start_new_session=True)
+    logs = [tmp_path / arch / 'log.jsonl' for arch in ('mixer', 'llama')]
     try:
-        def evaluated(arch):  # step 0 is evaluated: the run is training
-            log = tmp_path / arch / 'log.jsonl'
-            return log.exists() and 'val_loss' in log.read_text()
         deadline = time.time() + 120
-        while time.time() < deadline and not (evaluated('mixer') and evaluated('llama')):
+        # step 0 evaluated: the run is training
+        while time.time() < deadline and not all(log.exists() and 'val_loss' in log.read_text()
+                                                 for log in logs):
             time.sleep(0.2)
         assert len(race_children(tmp_path)) == 2
         proc.send_signal(signal.SIGINT)
@@ -298,53 +263,3 @@ def test_race_ctrl_c_leaves_no_child_behind(data, tmp_path):
     result = json.loads((tmp_path / 'race.json').read_text())
     assert result['settings']['interrupted']
     assert all(result['curves'][a] for a in ('mixer', 'llama'))  # step 0's evaluations
-
-
-def test_bench_ratios_are_medians_over_rounds_with_their_range(capsys):
-    """Each ratio is taken within a round and shown as the median over the rounds with its
-    min-max; a cell's row is its median round, whole, so that its columns agree."""
-    def rows(mixer, gpt):  # one round's throughput rows
-        return [dict(mode='throughput', arch=a, n_layers=4, n_ctx=128, batch_size=4,
-                     tokens_per_s=t) for a, t in (('mixer', mixer), ('gpt', gpt))]
-    out = bench.ratios([rows(2.0, 1.0), rows(6.0, 2.0), rows(1.0, 1.0)])
-    assert out == "throughput mixer/gpt at n_layers=4 n_ctx=128: 2.00x (1.00-3.00)"
-    assert bench.ratios([rows(2.0, 1.0)]).endswith(": 2.00x (one run)")
-    cells = [dict(tokens_per_s=t, ms_per_step=1 / t) for t in (3.0, 1.0, 2.0, 4.0)]
-    assert bench.median_round(cells, 'tokens_per_s') == dict(cells[2], repeats=4)
-    rows = bench.main(['throughput', '--archs=mixer,gpt', *BENCH_TINY, '--warmup=0', '--repeats=3'])
-    out = capsys.readouterr().out
-    assert 'round 3 of 3' in out and all(r['repeats'] == 3 for r in rows)
-    assert re.search(r'throughput mixer/gpt at n_layers=1 n_ctx=16: [\d.]+x \([\d.]+-[\d.]+\)', out)
-
-
-def test_bench_generate_fraction_only_where_the_dram_ceiling_binds(monkeypatch, tmp_path, capsys):
-    """The last-level cache is the largest in sysfs (None where unreadable); the bandwidth probe
-    streams more than it holds; a step that fits in it, or an unknown cache, gets no fraction."""
-    for i, size in enumerate(('32K', '32768K', '1M', 'odd')):
-        (tmp_path / f'index{i}').mkdir()
-        (tmp_path / f'index{i}' / 'size').write_text(size + '\n')
-    (tmp_path / 'uevent').write_text('')
-    cpu = torch.device('cpu')
-    assert bench.last_level_cache(cpu, str(tmp_path)) == 32 * 2**20
-    assert bench.last_level_cache(cpu, str(tmp_path / 'absent')) is None
-    probes = []
-    monkeypatch.setattr(bench, 'measure_read_bandwidth',
-                        lambda dev, mib: probes.append(mib) or 1e10)
-    argv = ['generate', '--archs=mixer', *BENCH_TINY, '--batch_size=1', '--prompt=4',
-            '--new_tokens=4', '--methods=cache', '--repeats=1']
-    for llc, bound in ((None, 'unknown'), (10**9, 'cache'), (1, 'dram')):
-        monkeypatch.setattr(bench, 'last_level_cache', lambda dev: llc)
-        (r,) = bench.main(argv)
-        assert r['bound'] == bound and (r['fraction'] is None) == (bound != 'dram')
-        assert probes[-1] * 2**20 > (llc or 0)
-    out = capsys.readouterr().out
-    assert 'cache size is unknown' in out and 'fits the 954 MiB last-level cache' in out
-    assert '| cache | - |' in out
-
-
-def test_bench_plot_refused_before_any_work_where_no_row_is_drawn(monkeypatch, capsys, tmp_path):
-    """represent and retrieval make no row --plot draws: refused at once, matplotlib or not."""
-    monkeypatch.setattr(bench, 'pyplot', lambda: None)
-    for mode in ('represent', 'retrieval'):
-        monkeypatch.setitem(bench.MEASURE, mode, lambda s: pytest.fail('measured first'))
-        refused(capsys, 'bench', [mode, f'--plot={tmp_path}/b.png'], 'plot', keep=[tmp_path])

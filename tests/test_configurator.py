@@ -120,19 +120,12 @@ REFUSALS = [
     ('bench', ['sideways'], 'sideways'), ('bench', ['throughput', '--n_ctx=abc'], 'n_ctx'),
     ('bench', ['throughput', '--batch_size=1,16'], 'batch_size'),  # a list only in generate
     ('bench', ['throughput', '--archs=rnn'], 'rnn'),
-    ('bench', ['throughput', *BENCH_TINY, '--repeats=0'], 'repeats'),
-    ('bench', ['generate', *BENCH_TINY, '--new_tokens=0'], 'new_tokens'),
-    ('bench', ['generate', *BENCH_TINY, '--prompt=2', '--new_tokens=2', '--methods=beam'], 'beam'),
     ('bench', ['generate', *BENCH_TINY, '--prompt=12', '--new_tokens=8'], 'n_ctx'),
-    ('bench', ['represent', *BENCH_TINY, '--layer=last'], 'layer'),
     ('bench', ['represent', '--ckpt={trained}/ckpt.pt', '--layer=3'], 'layer'),
     # each script's own ranges (the command-line layer knows none, section 7)
     *[('train', ['--data_dir=/nonexistent', arg], arg.split('=')[0]) for arg in [
         '--warmup_iters=-1', '--max_time=-1', '--weight_decay=-0.1', '--grad_clip=-1', '--lr=0']],
     ('sample', ['--seed=-1'], 'seed'),
-    *[('bench', ['represent', arg], arg.split('=')[0]) for arg in [
-        '--warmup=-1', '--mem_limit=-1', '--prompt=0', '--steps=0', '--seed=-1', '--lr=0',
-        '--n_layers=0']],
     # a required flag missing, or two that exclude each other
     ('prepare', ['text', OUT], 'input'), ('prepare', ['pystdlib', '--input=x.txt', OUT], 'input'),
     ('retrieve', [*EVAL[:2]], 'pairs'),
@@ -168,9 +161,9 @@ REFUSALS = [
     ('retrieve', ['eval', '--ckpt={tmp}/indirect.pt', '--pairs={pairs}/pairs_val.jsonl'],
      'indirect'),
     ('retrieve', ['search', '--ckpt={mixer}', '--docs={tmp}/missing', '--query=x'], 'missing'),
-    ('bench', ['retrieval', '--data_dir=/nonexistent'], '/nonexistent'),
+    ('bench', ['race', '--data_dir={tmp}/nope'], '{tmp}/nope'),
     ('bench', ['represent', '--ckpt={tmp}/nope.pt'], 'nope.pt'),
-    ('bench', ['represent', '--ckpt={trained}/ckpt.pt', '--data_dir={tmp}'], 'val.bin'),
+    ('bench', ['represent', '--ckpt={trained}/ckpt.pt', '--data_dir={tmp}'], '{tmp}'),
     # a resume that cannot continue: another architecture or n_ctx, a truncated checkpoint
     *[('train', [*RESUME, arg], arg[2:].split('=')[0]) for arg in ['--arch=llama', '--n_ctx=16']],
     ('train', ['--data_dir={data}', '--out_dir={tmp}/cut', *TINY, '--init_from=resume'], 'ckpt.pt'),
@@ -187,7 +180,7 @@ REFUSALS = [
     ('retrieve', ['eval', '--ckpt={tmp}/x.pt', '--pairs={tmp}/y.jsonl', '--json={tmp}/file/m.json'],
      'json'),
     ('bench', ['throughput', *BENCH_TINY, '--json={tmp}/file/rows.json'], 'json'),
-    ('bench', ['memory', *BENCH_TINY, '--plot={tmp}'], 'plot'),
+    ('bench', ['race', '--data_dir={data}', '--out_dir={tmp}/file/race'], '{tmp}/file'),
 ]
 
 
