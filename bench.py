@@ -29,8 +29,7 @@ import numpy as np
 import torch
 
 from model import (ARCHS, Attention, Backbone, ELiTAAttention, ELiTAFeedForward, GatedMLP, MLP,
-                   Mixing, ModelConfig, SwiGLU, TokenMixing, allowed, build_model, flops_per_token,
-                   one_of)
+                   Mixing, ModelConfig, SwiGLU, TokenMixing, allowed, build_model, flops_per_token)
 from configurator import check_output_file, int_list, parse_args, run_main, write_atomic
 from sample import compiled_step, decode_layout
 from train import (CHOICES, DEFAULTS as TRAIN_DEFAULTS, autocast, choose_dtype, peak_flops,
@@ -628,8 +627,8 @@ def race_settings(argv):
             own.append(arg)
     s = SimpleNamespace(**parse_args(own, RACE_DEFAULTS, race.__doc__, positional='mode'))
     s.archs = s.archs.split(',')
-    for arch in s.archs:
-        one_of('--archs', arch, ARCHS)
+    for arch in set(s.archs) - set(ARCHS):
+        raise ValueError(f"--archs: {arch!r} is unknown: use one of {', '.join(ARCHS)}")
     assert len(set(s.archs)) == len(s.archs), f"--archs={','.join(s.archs)} names an arch twice"
     assert set(per_arch) <= set(s.archs), f"--ARCH.KEY for an arch not in --archs: {per_arch}"
     assert s.max_time > 0, f"--max_time={s.max_time:g}: give every arch a budget of seconds > 0"
