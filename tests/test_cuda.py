@@ -133,8 +133,7 @@ def test_cuda_kill9_then_resume_continues_the_run(data, tmp_path):
 @cuda
 def test_cuda_sample_and_bench(trained, capsys):
     """sample.py on the GPU (window == cache, greedy, fp32 weights) and each bench.py mode's GPU
-    path: MFU against the measured peak, peaks from max_memory_allocated, decoding beside its
-    ceiling."""
+    path: MFU against train.peak_flops, peaks from max_memory_allocated, decoding's GB/s."""
     argv = [f'--ckpt={trained}/ckpt.pt', '--prompt=def f2_1(x):', '--max_new_tokens=40',
             '--temperature=0', '--device=cuda', '--dtype=float32']
     code, cached, _ = run_main(capsys, 'sample', *argv)
@@ -147,9 +146,7 @@ def test_cuda_sample_and_bench(trained, capsys):
     assert 0 < rows[0]['mb'] < rows[1]['mb']
     rows = bench.main(['generate', *gpu, '--n_ctx=64', '--prompt=16', '--new_tokens=8',
                        '--batch_size=1,4'])
-    assert len(rows) == 3 * 3 and all(r['tokens_per_s'] > 0 for r in rows)
-    # a fraction only where the step reads more than the GPU's L2 holds
-    assert all((r['fraction'] is None) == (r['bound'] != 'dram') for r in rows)
+    assert len(rows) == 3 * 3 and all(r['tokens_per_s'] > 0 and r['gb_per_s'] > 0 for r in rows)
 
 
 @pytest.fixture
