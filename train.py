@@ -2,12 +2,14 @@
 Train a nanomixer model: one loop for every arch and objective, on one device or a DDP node.
 
   python train.py config/demo.py                    # the CPU demo (the defaults are GPU-sized)
-  python train.py config/demo.py --init_from=resume # continue out_dir/ckpt.pt exactly
+  python train.py --init_from=resume --out_dir=out  # continue out/ckpt.pt exactly
   torchrun --standalone --nproc_per_node=4 train.py config/fineweb_mixer.py     # one node
 
 A step averages grad_accum micro-batches of batch_size sequences whatever the number of processes
 (rank_pieces), and micro-batch j of step s is a pure function of (seed, split, s, j): a preset is
 the same experiment on 1 GPU or 8, and a resumed run ends bit-identical (no model has dropout).
+A resume takes the run's keys from its checkpoint; a flag given with it wins (a model key must
+agree).
 The run stops at max_iters steps or max_time seconds of training, whichever comes first; the
 learning rate decays as that budget is used. --dtype=auto picks bf16 where the hardware has it
 natively, else float32 (fp16 on old GPUs); the checkpoint records it and a resume keeps it.
@@ -16,6 +18,7 @@ out_dir gets ckpt.pt (last), best.pt (lowest val loss) and log.jsonl (one JSON o
 import functools, json, math, os, sys, time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +35,7 @@ from prepare import DATASETS, SPLITS
 
 LOOP_DEFAULTS = dict(
     out_dir='out',
-    batch_size=16,          # sequences per micro-batch (per process)
+    batch_size=16,          # sequences per micro-batch, not per rank (4 ranks, accum 1: 1/4 each)
     grad_accum=1,           # micro-batches per optimizer step, split over the DDP ranks
     lr=5e-4,                # paper: 5e-4 masked mixers, 2e-4 transformers
     min_lr=0.0,             # where the decay ends
@@ -56,7 +59,7 @@ DEFAULTS = dict(
     data_dir='data/pystdlib',
     batch_mode='packed',    # packed: random windows of the token stream | documents: padded chunks
     padding='right',        # documents: pads after the text (paper's CLM runs) or before it (§6.1)
-    init_from='scratch',    # scratch | resume (out_dir/ckpt.pt)
+    init_from='scratch',    # scratch | resume (out_dir/ckpt.pt, with the run's keys)
     **{f.name: f.default for f in fields(ModelConfig) if f.name != 'vocab_size'},  # vocab: meta
     **LOOP_DEFAULTS,
 )
@@ -66,18 +69,17 @@ CHOICES = dict(batch_mode=('packed', 'documents'), padding=('right', 'left'),
 MODEL_KEYS = [f.name for f in fields(ModelConfig) if f.name != 'vocab_size']
 
 
-def check_loop(cfg):
-    """The loop keys' ranges (train.py's and retrieve.py's runs), checked before any work."""
-    for key in ('batch_size', 'grad_accum', 'eval_interval', 'eval_iters', 'log_interval'):
-        if cfg[key] < 1:
-            raise ValueError(f"--{key}={cfg[key]} is out of range: use a value >= 1")
-    for key in ('warmup_iters', 'max_iters', 'max_time', 'min_lr', 'weight_decay', 'grad_clip',
-                'seed'):
-        if cfg[key] < 0:
-            raise ValueError(f"--{key}={cfg[key]} is out of range: use a value >= 0")
-    if not 0 < cfg['lr'] >= cfg['min_lr']:
-        raise ValueError(f"--lr={cfg['lr']} must be > 0 and >= --min_lr={cfg['min_lr']}")
-    budget_used(cfg, 0, 0.0)  # a run needs a budget
+def check_loop(cfg, resume=None):
+    """The loop keys that would hang or mislead (train.py's and retrieve.py's runs), and a resumed
+    run whose budget is spent (it would only evaluate again), before any work."""
+    assert cfg['max_iters'] >= 0 and cfg['max_time'] >= 0, "--max_iters and --max_time are >= 0"
+    assert cfg['max_iters'] or cfg['max_time'], "no budget: set --max_iters and/or --max_time (s)"
+    assert cfg['eval_iters'] >= 1, f"--eval_iters={cfg['eval_iters']}: evaluate on 1 batch or more"
+    if resume and budget_used(cfg, resume['step'], resume['train_time']) >= 1:
+        raise ValueError(f"the run in {cfg['out_dir']} has spent its budget (step {resume['step']} "
+                         f"of max_iters={cfg['max_iters']}, {resume['train_time']:.0f} s of "
+                         f"max_time={cfg['max_time']:g}): to train on, raise --max_iters or "
+                         f"--max_time")
 
 
 # ----------------------------------------------------------------------------- device, dtype, DDP
@@ -118,7 +120,7 @@ def choose_dtype(device, requested='auto', recorded=None, reading=False):
 
 
 def resolve_device(name):
-    """'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or 'cuda:N' as a usable torch.device."""
+    """'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or 'cuda:N' as a torch.device."""
     if name == 'auto':
         name = 'cuda' if torch.cuda.is_available() else 'cpu'
     try:
@@ -126,17 +128,11 @@ def resolve_device(name):
     except RuntimeError:
         raise ValueError(f"--device={name} is not a torch device: use auto, cpu, cuda or cuda:N") \
             from None
-    if device.type not in ('cpu', 'cuda'):
-        raise ValueError(f"--device={name}: nanomixer runs on cpu or cuda (or auto)")
-    if device.type == 'cpu':
-        return device
-    if not torch.cuda.is_available():
+    if device.type == 'cuda' and not torch.cuda.is_available():
         raise ValueError(f"--device={name} but no CUDA GPU is visible: use --device=cpu (or auto)")
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if index >= torch.cuda.device_count():
-        raise ValueError(f"--device={name}: this machine has {torch.cuda.device_count()} "
-                         f"GPU(s), cuda:0 and up")
-    return torch.device('cuda', index)  # with an index, as some CUDA calls (memory limits) need
+    if device.type == 'cuda' and device.index is None:  # some CUDA calls (memory limits) need one
+        device = torch.device('cuda', torch.cuda.current_device())
+    return device
 
 
 def autocast(device, dtype):
@@ -185,19 +181,19 @@ def sync(device):
 
 @dataclass
 class Runtime:
-    """Where this process trains: device, autocast dtype (and why), GradScaler, DDP rank, world."""
+    """Where this process trains: device, autocast dtype (and why), DDP rank and world size."""
     device: torch.device
     dtype: torch.dtype
-    scaler: torch.amp.GradScaler
+    why: str  # printed in the first log line
     rank: int = 0
     world: int = 1
-    why: str = ''  # printed in the first log line
     distributed: bool = False  # launched by torchrun: a process group and DDP, even for one process
 
     master = property(lambda self: self.rank == 0)  # the process that logs and saves
+    backend = property(lambda self: 'nccl' if self.device.type == 'cuda' else 'gloo')
 
     def describe(self):
-        ddp = f", DDP over {dist.get_backend()}" if self.distributed else ''
+        ddp = f", DDP over {self.backend}" if self.distributed else ''
         return f"{self.device} {str(self.dtype)[6:]} ({self.why}){ddp}"
 
     def close(self):
@@ -221,8 +217,9 @@ def rank_pieces(grad_accum, batch_size, world, rank):
 
 
 def setup_runtime(cfg, recorded=None):
-    """Device, DDP (when launched by torchrun), AMP dtype (recorded: the dtype name of the run being
-    resumed, kept under --dtype=auto) and GradScaler; seeds torch."""
+    """Device, DDP rank (when launched by torchrun) and AMP dtype (recorded: the dtype name of the
+    run being resumed, kept under --dtype=auto); seeds torch. Refuses a device or a batch the ranks
+    cannot use; the process group starts later, in fit, after every refusal."""
     env = lambda key, default: int(os.environ.get(key, default))  # noqa: E731 (set by torchrun)
     world, rank, local_rank = env('WORLD_SIZE', 1), env('RANK', 0), env('LOCAL_RANK', 0)
     distributed = 'RANK' in os.environ
@@ -230,44 +227,21 @@ def setup_runtime(cfg, recorded=None):
     device = resolve_device(cfg['device'])
     dtype, why = choose_dtype(device, cfg['dtype'], recorded)
     if device.type == 'cuda':
-        device = torch.device('cuda', local_rank if distributed else (device.index or 0))
+        device = torch.device('cuda', local_rank) if distributed else device
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    if distributed and not dist.is_initialized():
-        dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo')
     torch.manual_seed(cfg['seed'])  # identical initial weights on every rank
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    return Runtime(device, dtype, scaler, rank, world, why, distributed)
-
-
-def check_on_every_rank(runtime, check):
-    """Run check() (a ValueError refuses) on every rank and share the refusals before any other
-    collective: all ranks exit 2 together, rank 0 printing the one line (not DDP tracebacks)."""
-    if not runtime.distributed:
-        return check()
-    try:
-        check()
-        error = ''
-    except ValueError as e:
-        error = str(e)
-    errors = [None] * runtime.world
-    dist.all_gather_object(errors, error)
-    if any(errors):
-        if runtime.master:   # before any rank exits: torchrun stops the others when one does
-            print(f"error: {next(e for e in errors if e)}", file=sys.stderr, flush=True)
-        dist.barrier()
-        raise SystemExit(2)   # run_main returns it as the exit status
+    return Runtime(device, dtype, why, rank, world, distributed)
 
 
 # ----------------------------------------------------------------------------- the loop
 
-def configure_optimizer(model, lr, weight_decay, device_type, betas=(0.9, 0.999)):
+def configure_optimizer(model, lr, weight_decay):
     """AdamW (the paper's betas); weight decay on matrices and mixings, not on biases and norms."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
               dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
-    kernel = dict(fused=True) if device_type in ('cuda', 'cpu') else dict(foreach=True)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, **kernel)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), fused=True)
 
 
 def get_lr(cfg, step, progress):
@@ -275,15 +249,14 @@ def get_lr(cfg, step, progress):
     as progress, the used fraction of the compute budget, goes from 0 to 1."""
     if step < cfg['warmup_iters']:
         return cfg['lr'] * (step + 1) / (cfg['warmup_iters'] + 1)
-    p = min(max(progress, 0.0), 1.0)
-    decay = 1 - p if cfg['schedule'] == 'linear' else 0.5 * (1 + math.cos(math.pi * p))
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    decay = 1 - progress if cfg['schedule'] == 'linear' else cosine
     return cfg['min_lr'] + (cfg['lr'] - cfg['min_lr']) * decay
 
 
 def budget_used(cfg, step, train_time):
-    """Fraction of the budget spent: the larger of the step and time fractions."""
-    if not cfg['max_iters'] and not cfg['max_time']:
-        raise ValueError("no compute budget: set --max_iters and/or --max_time (seconds)")
+    """Fraction of the budget (check_loop: there is one) spent: the larger of the step and time
+    fractions."""
     steps = step / cfg['max_iters'] if cfg['max_iters'] else 0.0
     return max(steps, train_time / cfg['max_time'] if cfg['max_time'] else 0.0)
 
@@ -294,26 +267,28 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
     get_batch(split, step, micro, shard=0, shards=1) -> a tuple of CPU tensors (the first one's
     numel counts as tokens), a pure function of its arguments (step None: evaluation batch micro).
     loss_fn(model, batch) -> scalar loss, through model(...) where DDP's hooks are. ckpt_extra goes
-    into every checkpoint; resume (a checkpoint dict) is continued exactly. real_targets(batch) ->
-    how many targets loss_fn averages over where row shards differ (padded documents), else None.
+    into every checkpoint; resume (a checkpoint dict) is continued exactly, else the run in out_dir
+    (passed by check_run_dir) is replaced. real_targets(batch) -> how many targets loss_fn averages
+    over where row shards differ (padded documents), else None. Under torchrun the ranks meet here.
     Returns dict(step, tokens_seen, train_time, best_val, train_loss, val_loss, stopped), stopped
     'budget' or 'diverged' (a non-finite loss: nothing more is saved, the last checkpoint stays)."""
-    out_dir, device, scaler, master = cfg['out_dir'], runtime.device, runtime.scaler, runtime.master
+    out_dir, device, master = cfg['out_dir'], runtime.device, runtime.master
     log_path, ckpt_path = os.path.join(out_dir, 'log.jsonl'), os.path.join(out_dir, 'ckpt.pt')
-    check_on_every_rank(runtime, lambda: check_run_dir(out_dir, resume is None, cfg['overwrite'],
-                                                       resumable=os.path.isfile(ckpt_path)))
-    if resume is not None:
-        check_budget_left(cfg, resume['step'], resume['train_time'])
-    if master:
-        remove_leftovers(out_dir, resume is None)
+    if runtime.distributed and not dist.is_initialized():  # the ranks meet: none refuses after it
+        dist.init_process_group(runtime.backend)
+    if master and resume is None:  # a fresh run replaces the run check_run_dir let it replace
+        for name in RUN_FILES:
+            if os.path.exists(os.path.join(out_dir, name)):
+                os.remove(os.path.join(out_dir, name))
     raw = model.to(device)
     ckpt_extra = {**ckpt_extra, 'dtype': str(runtime.dtype)[6:]}  # the run's dtype: resume keeps it
-    optimizer = configure_optimizer(raw, cfg['lr'], cfg['weight_decay'], device.type)
+    optimizer = configure_optimizer(raw, cfg['lr'], cfg['weight_decay'])
+    scaler = torch.amp.GradScaler(device.type, enabled=runtime.dtype == torch.float16)
     step, tokens_seen, train_time, best_val = 0, 0, 0.0, float('inf')
     if resume is not None:  # what the checkpoints below hold
         raw.load_state_dict(resume['model'])
         optimizer.load_state_dict(resume['optimizer'])
-        if scaler.is_enabled() and resume.get('scaler'):
+        if scaler.is_enabled() and resume['scaler']:
             scaler.load_state_dict(resume['scaler'])
         step, tokens_seen, train_time, best_val = (
             resume[k] for k in ('step', 'tokens_seen', 'train_time', 'best_val'))
@@ -326,12 +301,12 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
     peak = peak_flops(device, runtime.dtype) if flops_per_token else None
     pieces = rank_pieces(cfg['grad_accum'], cfg['batch_size'], runtime.world, runtime.rank)
     start, saved = step, step if resume is not None else None  # saved: the checkpoint's step
-    train_loss, val_loss, stopped = float('nan'), float('nan'), 'budget'
+    train_loss, val_loss, diverged = float('nan'), float('nan'), ''
     loss_sum = torch.zeros((), device=device)  # of the micro-batch losses since the last log line
     logged_step, logged_tokens, logged_time = step, tokens_seen, train_time  # at the last log line
     began = time.perf_counter()  # wall clock of this process, evaluation included
     raw.train()
-    every = max(cfg['eval_seconds'], 0.0)  # > 0: evaluate at marks of training time
+    every = cfg['eval_seconds']  # > 0: evaluate at marks of training time
     next_eval = 0.0 if start == 0 or not every else (train_time // every + 1) * every
     while True:
         progress = budget_used(cfg, step, train_time)
@@ -343,8 +318,8 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
             train_loss, val_loss = losses['train'], losses['val']
             write_log(log, step=step, train_loss=train_loss, val_loss=val_loss,
                       tokens_seen=tokens_seen, time=round(train_time, 3))
-            if not (math.isfinite(train_loss) and math.isfinite(val_loss)):
-                stopped = diverged(master, 'the evaluation loss', losses, step, out_dir, saved)
+            if not math.isfinite(train_loss + val_loss):
+                diverged = f"the evaluation loss is {losses}"
                 break
             improved, best_val = val_loss < best_val, min(best_val, val_loss)
             if master:
@@ -374,8 +349,8 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
                 whole = real_targets(get_batch('train', step, micro))
                 weight = shards * real_targets(batch) / whole
             batch = to_device(batch, device)
-            sync = i == len(pieces) - 1 or not runtime.distributed  # DDP syncs the last backward
-            with nullcontext() if sync else ddp.no_sync(), autocast(device, runtime.dtype):
+            last = i == len(pieces) - 1 or not runtime.distributed  # DDP syncs the last backward
+            with nullcontext() if last else ddp.no_sync(), autocast(device, runtime.dtype):
                 loss = loss_fn(ddp, batch) * weight  # x 1.0 is exact
             scaler.scale(loss / len(pieces)).backward()
             loss_sum += loss.detach()
@@ -400,7 +375,7 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
             n_steps, interval_t = step - logged_step, train_time - logged_time
             mean_loss = loss_sum.item() / (n_steps * len(pieces) * runtime.world)
             if not math.isfinite(mean_loss):
-                stopped = diverged(master, 'the training loss', mean_loss, step, out_dir, saved)
+                diverged = f"the training loss is {mean_loss}"
                 break
             tps = (tokens_seen - logged_tokens) / interval_t
             rec = dict(loss=round(mean_loss, 5), lr=lr, tokens_per_s=round(tps, 1),
@@ -412,39 +387,32 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
             write_log(log, step=step, **rec)
             if master:
                 left = time_left(cfg, step, train_time, interval_t / n_steps)
+                elapsed = timedelta(seconds=int(time.perf_counter() - began))  # h:mm:ss
                 print(f"step {step} | loss {mean_loss:.4f} | lr {lr:.2e} | "
                       f"{rec['ms_per_step']:.0f} ms/step | {tps:,.0f} tok/s"
                       + (f" | mfu {rec['mfu']:.1%}" if peak else '')
-                      + f" | {clock(time.perf_counter() - began)} elapsed, ~{clock(left)} left")
+                      + f" | {elapsed} elapsed, ~{left} left")
             loss_sum.zero_()
             logged_step, logged_tokens, logged_time = step, tokens_seen, train_time
     if log:
         log.close()
+    if diverged and master:
+        last = f"{ckpt_path} (step {saved})" if saved is not None else "none (nothing was saved)"
+        print(f"error: {diverged} at step {step}: training stopped; the last good checkpoint is "
+              f"{last}. Lower --lr or keep --grad_clip on", file=sys.stderr)
     if runtime.distributed:  # rank 0 may still be writing the checkpoint: leave together
         dist.barrier()
     return dict(step=step, tokens_seen=tokens_seen, train_time=train_time, best_val=best_val,
-                train_loss=train_loss, val_loss=val_loss, stopped=stopped)
-
-
-def check_budget_left(cfg, step, train_time):
-    """A resumed run whose budget is spent would only evaluate again: say how to go on instead."""
-    if budget_used(cfg, step, train_time) >= 1:
-        raise ValueError(f"the run in {cfg['out_dir']} has spent its budget (step {step} of "
-                         f"max_iters={cfg['max_iters']}, {train_time:.0f} s of max_time="
-                         f"{cfg['max_time']:g}): to train on, raise --max_iters or --max_time")
+                train_loss=train_loss, val_loss=val_loss,
+                stopped='diverged' if diverged else 'budget')
 
 
 def time_left(cfg, step, train_time, s_per_step):
-    """Seconds of training left (evaluation excluded): the step or time budget, whichever ends
-    first, steps at the last interval's pace."""
+    """Training time left (evaluation excluded), whole seconds: the step or time budget, whichever
+    ends first, steps at the last interval's pace."""
     left = [(cfg['max_iters'] - step) * s_per_step] if cfg['max_iters'] else []
-    return max(min(left + ([cfg['max_time'] - train_time] if cfg['max_time'] else [])), 0.0)
-
-
-def clock(seconds):
-    """1:02:03 or 2:03 (h:mm:ss or m:ss)."""
-    h, m, s = int(seconds) // 3600, int(seconds) // 60 % 60, int(seconds) % 60
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+    left += [cfg['max_time'] - train_time] if cfg['max_time'] else []
+    return timedelta(seconds=int(max(min(left), 0)))
 
 
 def write_log(log, **record):
@@ -455,24 +423,11 @@ def write_log(log, **record):
         log.flush()
 
 
-def diverged(master, what, value, step, out_dir, saved):
-    """Say that training blew up, and where the last good checkpoint is; fit's `stopped`."""
-    if master:
-        last = (f"{os.path.join(out_dir, 'ckpt.pt')} (step {saved})" if saved is not None
-                else "none (nothing was saved)")
-        print(f"error: {what} is {value} at step {step}: training stopped; the last good "
-              f"checkpoint is {last}. Lower --lr or keep --grad_clip on", file=sys.stderr)
-    return 'diverged'
-
-
-EVAL_QUIET_S = 3.0  # an evaluation that lasts longer shows its progress on stderr
-
-
 @torch.no_grad()
 def evaluate(cfg, runtime, model, get_batch, loss_fn):
     """Mean loss over the eval_iters fixed batches of each split (shared out over the ranks)."""
     model.eval()
-    out, began, shown = {}, time.perf_counter(), False
+    out = {}
     for split in SPLITS:
         total = torch.zeros(2, device=runtime.device, dtype=torch.float64)  # (sum of losses, count)
         for i in range(runtime.rank, cfg['eval_iters'], runtime.world):
@@ -480,14 +435,9 @@ def evaluate(cfg, runtime, model, get_batch, loss_fn):
                 batch = to_device(get_batch(split, None, i), runtime.device)
                 total[0] += loss_fn(model, batch).double()
             total[1] += 1
-            if runtime.master and time.perf_counter() - began > EVAL_QUIET_S:
-                shown = print(f"\revaluating {split}: batch {i + 1} of {cfg['eval_iters']}",
-                              end='', file=sys.stderr, flush=True) or True
         if runtime.distributed:
             dist.all_reduce(total)
         out[split] = (total[0] / total[1]).item()
-    if shown:  # the next line starts clean
-        print('\r\033[K', end='', file=sys.stderr, flush=True)
     model.train()
     return out
 
@@ -500,11 +450,9 @@ def to_device(batch, device):
 
 # ----------------------------------------------------------------------------- checkpoints
 
-OLD_LAYOUT = 'be76ede'  # the last commit whose blocks were lists of sublayers
-
-
 def save_checkpoint(obj, path):
-    """Atomic (configurator.write_atomic): a crash never leaves a half-written checkpoint."""
+    """Atomic (configurator.write_atomic): a crash never leaves a half-written checkpoint, and a
+    failed write (a full disk) is one error line naming the file, the old one kept."""
     write_atomic(path, lambda f: torch.save(obj, f))
 
 
@@ -515,16 +463,11 @@ def load_checkpoint(path):
                          f"right out_dir)")
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
+        assert isinstance(ckpt, dict) and {'kind', 'model'} <= ckpt.keys(), "no 'kind'/'model'"
     except Exception as e:  # truncated zip, wrong file, pickled classes: all the same to the user
         why = (str(e).strip().splitlines() or [''])[0][:160]
         raise ValueError(f"{path} is not a readable nanomixer checkpoint "
                          f"({type(e).__name__}: {why})") from None
-    if not isinstance(ckpt, dict) or not {'kind', 'model'} <= ckpt.keys():
-        raise ValueError(f"{path} is not a readable nanomixer checkpoint (no 'kind'/'model' "
-                         f"entries)")
-    if any('.layers.' in key for key in ckpt['model']):  # blocks were lists of sublayers then
-        raise ValueError(f"{path} has an older model layout: read it with nanomixer at commit "
-                         f"{OLD_LAYOUT} (git checkout {OLD_LAYOUT}), or train again")
     return ckpt
 
 
@@ -538,6 +481,20 @@ def model_from_checkpoint(ckpt):
     return model.eval()
 
 
+def resumed_config(cfg, ckpt, path):
+    """The keys of the run in train.py checkpoint `ckpt`, but for those set here (not to their
+    default), which win; a model key set here must agree: the model comes from the checkpoint."""
+    if ckpt['kind'] != 'lm':
+        raise ValueError(f"{path} is a {ckpt['kind']!r} checkpoint, not one of train.py's")
+    given = {k: v for k, v in cfg.items() if v != DEFAULTS[k]}
+    for k in MODEL_KEYS:
+        if k in given and given[k] != ckpt['model_config'][k]:
+            raise ValueError(f"--{k}={given[k]} contradicts {path}, trained with "
+                             f"{k}={ckpt['model_config'][k]!r}: drop it (a resume takes the model "
+                             f"from its checkpoint), or train into a new --out_dir")
+    return {**ckpt['config'], **given, 'out_dir': cfg['out_dir']}  # the folder may have moved
+
+
 RUN_FILES = ('ckpt.pt', 'best.pt', 'log.jsonl')  # what makes an out_dir hold a training run
 
 
@@ -545,28 +502,11 @@ def check_run_dir(out_dir, fresh, overwrite, resumable=True):
     """Fail before any work if out_dir is not writable, or if a fresh run would replace its run
     unasked (--overwrite)."""
     held = [f for f in RUN_FILES if os.path.isfile(os.path.join(out_dir, f))]
-    writer = int(os.environ.get('RANK', 0)) == 0  # DDP: rank 0 writes; the others may look later
-    if fresh and held and not overwrite and writer:
+    if fresh and held and not overwrite:
         resume = "continue it with --init_from=resume, " if resumable else ""
         raise ValueError(f"out_dir {out_dir} already holds a run ({', '.join(held)}): {resume}"
                          f"replace it with --overwrite, or pass a new --out_dir")
     check_out_dir(out_dir)
-
-
-def remove_leftovers(out_dir, fresh):
-    """Delete killed runs' temp files (NAME.tmpPID, the process gone) and, if fresh, the old run."""
-    for name in os.listdir(out_dir):
-        _, tmp, pid = name.rpartition('.tmp')
-        if tmp and pid.isdigit() and not pid_alive(int(pid)) or fresh and name in RUN_FILES:
-            os.remove(os.path.join(out_dir, name))
-
-
-def pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-        return True
-    except OSError as e:  # PermissionError: alive, but another user's
-        return not isinstance(e, ProcessLookupError)
 
 
 def trim_log(path, step):
@@ -578,40 +518,34 @@ def trim_log(path, step):
         write_atomic(path, ''.join(kept))
 
 
-def check_resumable(ckpt, path, mcfg):
-    """Resuming into a different model (arch, n_ctx, vocab, ...) would fail obscurely later."""
-    if ckpt['kind'] != 'lm':
-        raise ValueError(f"{path} is a {ckpt['kind']!r} checkpoint, not one of train.py's")
-    theirs, ours = ckpt['model_config'], asdict(mcfg)
-    diff = [k for k in ours if theirs.get(k) != ours[k]]
-    if diff:
-        was = ', '.join(f"{k}={theirs.get(k)!r}" for k in diff)
-        now = ', '.join(f"{k}={ours[k]!r}" for k in diff)
-        raise ValueError(f"{path} was trained with {was} but this run asks for {now} "
-                         f"(vocab_size comes from --data_dir): resume with the same preset and "
-                         f"flags, or train into a new --out_dir")
-
-
 # ----------------------------------------------------------------------------- data
 
 def load_meta(data_dir):
+    """prepare.py's record of data_dir: vocab_size, dtype, token counts, tokenizer."""
     path = os.path.join(data_dir, 'meta.json')
     if not os.path.isfile(path):
         raise ValueError(f"no prepared data at {data_dir}: {prepare_command(data_dir)}")
     try:
         meta = json.loads(Path(path).read_text())
-        np.dtype(meta['dtype'])
-        if not (isinstance(meta['vocab_size'], int) and meta['vocab_size'] > 0):
-            raise ValueError('vocab_size')
+        np.dtype(meta['dtype']), meta['vocab_size'], meta['train_tokens'], meta['val_tokens']
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path} is damaged ({type(e).__name__}: {e}): prepare the data again "
                          f"with prepare.py") from None
     return meta
 
 
+def prepare_command(data_dir):
+    """The prepare.py command that builds data_dir (a preset's data/NAME: its dataset NAME)."""
+    name = os.path.basename(os.path.normpath(data_dir))
+    if name in DATASETS and os.path.normpath(data_dir) == os.path.join('data', name):
+        return f"run python prepare.py {name} (a preset's docstring gives its options)"
+    return f"run python prepare.py (or prepare.py DATASET --out_dir={data_dir}), or pass --data_dir"
+
+
 def batch_rng(cfg, split, step, micro):
     """The numpy Generator of one micro-batch (step None: evaluation batch `micro`): a pure function
-    of its arguments, so DDP ranks draw disjoint batches and a resumed run draws the same ones."""
+    of its arguments, so a resumed run draws the same batches. DDP ranks draw disjoint micro-batches
+    where grad_accum is a multiple of the world size, else they share one and keep disjoint rows."""
     return np.random.default_rng([cfg['seed'], SPLITS.index(split), int(step is not None),
                                   step or 0, micro])
 
@@ -620,26 +554,17 @@ class Batches:
     """get_batch for language modelling over prepare.py's outputs (see fit)."""
 
     def __init__(self, cfg, meta, data_dir):
-        self.cfg, self.n = cfg, cfg['n_ctx']
-        if self.n < 2:  # an input token and the next one to predict
-            raise ValueError(f"--n_ctx={self.n} is out of range: a language model needs n_ctx >= 2")
-        self.pad = meta.get('pad_id')
-        if cfg['batch_mode'] == 'documents' and self.pad is None:
-            raise ValueError(f"{data_dir}/meta.json has no pad_id, which batch_mode=documents "
-                             f"needs: re-run prepare.py")
+        self.cfg, self.n, self.pad = cfg, cfg['n_ctx'], meta['pad_id']
         self.tokens, self.docs = {}, {}
         for split in SPLITS:
             path = os.path.join(data_dir, f'{split}.bin')
             if not os.path.isfile(path):
                 raise ValueError(f"no prepared data at {path}: {prepare_command(data_dir)}")
             size, itemsize = os.path.getsize(path), np.dtype(meta['dtype']).itemsize
-            if size != meta.get(f'{split}_tokens', size // itemsize) * itemsize or size % itemsize:
+            if size != meta[f'{split}_tokens'] * itemsize:
                 raise ValueError(f"{path} has {size} bytes but {data_dir}/meta.json says "
-                                 f"{meta.get(f'{split}_tokens')} {meta['dtype']} tokens: the file "
-                                 f"is cut short or replaced; prepare the data again")
-            if size < (self.n + 2) * itemsize:
-                raise ValueError(f"{path} holds {size // itemsize} tokens, too few for "
-                                 f"n_ctx={self.n}: lower --n_ctx or prepare more text")
+                                 f"{meta[f'{split}_tokens']} {meta['dtype']} tokens: the file is "
+                                 f"cut short or replaced; prepare the data again")
             tokens = np.memmap(path, dtype=meta['dtype'], mode='r')
             self.tokens[split] = tokens
             if cfg['batch_mode'] == 'documents':  # rows are n_ctx-token chunks of documents
@@ -651,8 +576,6 @@ class Batches:
                                      f"prepare the data again") from None
                 lengths = np.diff(np.append(starts, len(tokens)))
                 chunks = (lengths + self.n - 2) // self.n  # ceil((length - 1) / n_ctx) with targets
-                if not chunks.sum():
-                    raise ValueError(f"{data_dir}: no {split} document has 2 tokens or more")
                 self.docs[split] = (starts, lengths, np.cumsum(chunks))
 
     def __call__(self, split, step, micro, shard=0, shards=1):
@@ -682,62 +605,50 @@ class Batches:
         return x, objective_targets(cfg['objective'], x, y, mask), mask
 
 
-def prepare_command(data_dir):
-    """The prepare.py command that builds data_dir (a preset's data/NAME: its dataset NAME)."""
-    name = os.path.basename(os.path.normpath(data_dir))
-    if name in DATASETS and os.path.normpath(data_dir) == os.path.join('data', name):
-        return f"run python prepare.py {name} (a preset's docstring gives its options)"
-    return f"run python prepare.py (or prepare.py DATASET --out_dir={data_dir}), or pass --data_dir"
-
-
 # ----------------------------------------------------------------------------- main
 
 def main(argv=None):
-    return run_main(lambda: train_lm(argv), "interrupted")
+    return run_main(lambda: train_lm(argv), "interrupted: checkpoints are written whole; continue "
+                    "with --init_from=resume (none before the first evaluation: --overwrite)")
 
 
 def train_lm(argv):
     cfg = parse_args(argv, DEFAULTS, __doc__, CHOICES)
-    if not (sys.argv[1:] if argv is None else argv) and resolve_device('auto').type == 'cpu':
+    if not (sys.argv[1:] if argv is None else argv) and not torch.cuda.is_available():
         raise ValueError("the defaults are sized for a GPU (a 23M-parameter model, 5000 steps: "
                          "hours on a CPU): run python train.py config/demo.py (minutes), or give "
                          "flags (such as --device=cpu) to run them anyway")
-    check_loop(cfg)
-    meta = load_meta(cfg['data_dir'])
-    mcfg = ModelConfig(vocab_size=meta['vocab_size'], **{k: cfg[k] for k in MODEL_KEYS})
     resume, path = None, os.path.join(cfg['out_dir'], 'ckpt.pt')
     if cfg['init_from'] == 'resume':
         if not os.path.isfile(path):
             raise ValueError(f"no checkpoint at {path} to resume: start afresh with "
                              f"--init_from=scratch --overwrite (or pass the run's --out_dir)")
         resume = load_checkpoint(path)
-        check_resumable(resume, path, mcfg)
-        check_budget_left(cfg, resume['step'], resume['train_time'])
+        cfg = resumed_config(cfg, resume, path)
+    check_loop(cfg, resume)
+    meta = load_meta(cfg['data_dir'])
+    mcfg = ModelConfig(vocab_size=meta['vocab_size'], **{k: cfg[k] for k in MODEL_KEYS})
+    assert not resume or mcfg.vocab_size == resume['model_config']['vocab_size'], (
+        f"{cfg['data_dir']} is not the data {path} was trained on: drop --data_dir")
     get_batch = Batches(cfg, meta, cfg['data_dir'])
-    runtime = setup_runtime(cfg, resume and resume.get('dtype'))
+    runtime = setup_runtime(cfg, resume and resume['dtype'])
+    check_run_dir(cfg['out_dir'], resume is None, cfg['overwrite'], os.path.isfile(path))
+    model = build_model(mcfg)
+    if runtime.master:
+        print(f"{mcfg.arch} {mcfg.objective}: "
+              f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+              f"{runtime.describe()}, {runtime.world} process(es), "
+              f"{cfg['batch_size'] * cfg['grad_accum'] * mcfg.n_ctx:,} tokens per step")
+    extra = {'kind': 'lm', 'model_config': asdict(mcfg),
+             'data': {'data_dir': os.path.abspath(cfg['data_dir']), 'meta': meta}}
+    loss_fn = lambda model, batch: model(batch[0], targets=batch[1], mask=batch[2])[1]  # noqa
+    # lm_loss averages over the targets that are not -1: padded documents give each row shard
+    # its own count (mtp2's second term, one fewer a row, is weighed as the first); packed: all
+    docs = cfg['batch_mode'] == 'documents'
+    count = (lambda batch: int((batch[1] != -1).sum())) if docs else None
     try:
-        model = build_model(mcfg)
-        if runtime.master:
-            print(f"{mcfg.arch} {mcfg.objective}: "
-                  f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-                  f"{runtime.describe()}, {runtime.world} process(es), "
-                  f"{cfg['batch_size'] * cfg['grad_accum'] * mcfg.n_ctx:,} tokens per step")
-        extra = {'kind': 'lm', 'model_config': asdict(mcfg),
-                 'data': {'data_dir': os.path.abspath(cfg['data_dir']), 'meta': meta}}
-        loss_fn = lambda model, batch: model(batch[0], targets=batch[1], mask=batch[2])[1]  # noqa
-        # lm_loss averages over the targets that are not -1: padded documents give each row shard
-        # its own count (mtp2's second term, one fewer a row, is weighed as the first); packed: all
-        docs = cfg['batch_mode'] == 'documents'
-        count = (lambda batch: int((batch[1] != -1).sum())) if docs else None
         stats = fit(cfg, runtime, model, get_batch, loss_fn, extra, resume, flops_per_token(mcfg),
                     count)
-    except KeyboardInterrupt:  # checkpoints are written atomically: the last one is whole
-        if runtime.master:
-            print("interrupted: " + ("continue from the last checkpoint with --init_from=resume"
-                                     if os.path.isfile(path) else "nothing was saved yet (no "
-                                     "checkpoint before the first evaluation): rerun with "
-                                     "--overwrite"), file=sys.stderr)
-        return 130
     finally:
         runtime.close()
     if stats['stopped'] == 'diverged':

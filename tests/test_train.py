@@ -1,11 +1,12 @@
-"""train.py: the loop, DDP == one process, kill -9 + resume bit-identical, the dtype rule, presets."""
-import ast, fnmatch, os, re, shutil, socket, subprocess, sys, time
+"""train.py: the loop, DDP == one process, kill -9 + resume bit-identical, the dtype rule, presets,
+refusals."""
+import ast, os, re, resource, shutil, subprocess, sys, time
 
 import numpy as np
 import pytest
 import torch
 
-import configurator, retrieve, sample, train
+import configurator, train
 from model import ModelConfig
 from tests.conftest import (HERE, ARCHS, learns, interrupted_and_resumed, TINY, ENV, train_run,
                             records, weights, run_main, refused, cpu_kind, torchrun)
@@ -106,22 +107,16 @@ def test_resume_keeps_the_recorded_dtype(data, tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize('accum,batch,world', [(1, 16, 1), (1, 16, 2), (1, 16, 8), (4, 16, 2),
                                                (4, 8, 8), (3, 4, 2), (2, 6, 3)])
 def test_rank_pieces_cover_every_row_once(accum, batch, world):
-    """Every (micro-step, row shard) goes to exactly one rank, and every rank gets as many."""
+    """Every (micro-step, row shard) goes to exactly one rank, and every rank gets as many; a
+    batch the ranks cannot share is refused (setup_runtime: before the process group starts)."""
     pieces = [p for r in range(world) for p in train.rank_pieces(accum, batch, world, r)]
     shards = pieces[0][2]
     assert sorted((m, s) for m, s, _ in pieces) == [
         (m, s) for m in range(accum) for s in range(shards)]
     assert len({len(train.rank_pieces(accum, batch, world, r)) for r in range(world)}) == 1
     assert batch % shards == 0
-
-
-def test_row_shards_are_the_micro_batch(data):
-    for mode in ('packed', 'documents'):
-        get = train.Batches(dict(train.DEFAULTS, n_ctx=16, batch_size=4, batch_mode=mode,
-                                 padding='left'), train.load_meta(data), data)
-        whole, halves = get('train', 3, 1), [get('train', 3, 1, s, 2) for s in range(2)]
-        # inputs, targets
-        assert all(torch.equal(whole[k], torch.cat([h[k] for h in halves])) for k in (0, 1))
+    with pytest.raises(ValueError, match='batch_size divisible by 2'):  # one line, at the boundary
+        train.rank_pieces(1, 3, 2, 0)
 
 
 DDP_ATOL = 2 * 4 * 1e-2 * 2 ** -8  # 2*k*lr*d, k = 4 steps at TINY's lr: 3.1e-4; a bug moves ~lr
@@ -152,35 +147,18 @@ def test_ddp_two_processes_equal_one(data, tmp_path, extra):
 
 
 def test_ddp_refusal_reaches_every_rank(data, tmp_path):
-    """Two ranks at a folder that holds a run: both exit 2 with one error line and no traceback,
-    the run untouched. Launched with the variables torchrun sets (torchrun itself reports a
-    failed child with a traceback of its own, and stops the others when one exits), then by it."""
+    """torchrun with 2 processes at a folder that holds a run: every rank refuses before the process
+    group starts, one error line (rank 0's), no rank's traceback, the run untouched."""
     run = tmp_path / 'run'
     run.mkdir()
     (run / 'ckpt.pt').write_bytes(b'a long run')
-    argv = [os.path.join(HERE, 'train.py'), f'--data_dir={data}', *TINY, '--max_iters=2',
-            f'--out_dir={run}']
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        port = s.getsockname()[1]
-    env = dict(ENV, WORLD_SIZE='2', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
-    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    procs = [subprocess.Popen([sys.executable, *argv], **pipes,
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)]
-    try:
-        err = ''.join(p.communicate(timeout=120)[1] for p in procs)
-    finally:
-        for p in procs:
-            p.kill()
-    errors = [line for line in err.splitlines() if line.startswith('error:')]
-    assert [p.returncode for p in procs] == [2, 2] and 'Traceback' not in err, err
-    assert len(errors) == 1 and 'already holds a run' in errors[0], err
     proc = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
-                           '--nproc_per_node=2', *argv], env=ENV, capture_output=True, text=True,
-                          timeout=120)
+                           '--nproc_per_node=2', os.path.join(HERE, 'train.py'),
+                           f'--data_dir={data}', *TINY, '--max_iters=2', f'--out_dir={run}'],
+                          env=ENV, capture_output=True, text=True, timeout=120)
     errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
     assert proc.returncode and len(errors) == 1, proc.stderr
-    assert '[rank' not in proc.stderr, proc.stderr            # no rank's traceback
+    assert 'already holds a run' in errors[0] and '[rank' not in proc.stderr, proc.stderr
     assert os.listdir(run) == ['ckpt.pt'] and (run / 'ckpt.pt').read_bytes() == b'a long run'
 
 
@@ -226,24 +204,8 @@ def test_every_preset_names_its_source_and_builds(preset):
     path = os.path.join(HERE, 'config', preset)
     doc = ast.get_docstring(ast.parse(open(path).read())) or ''
     assert re.search(r'Table S?\d|§\d', doc) or doc.startswith('Not a paper run'), doc
-    cfg = train.parse_args([path], train.DEFAULTS, train.CHOICES)
+    cfg = configurator.parse_args([path], train.DEFAULTS, '', train.CHOICES)
     ModelConfig(vocab_size=8000, **{k: cfg[k] for k in train.MODEL_KEYS})
-
-
-@pytest.mark.parametrize('arch', ['llama', 'gpt'])
-def test_tinystories_transformer_presets_one_per_lr_source(arch):
-    """Table S6's caption (5e-3) and the author's code with §9.5 (2e-4) disagree: one preset for
-    each, the same run otherwise, each docstring naming the source it follows."""
-    runs, docs = {}, {}
-    for name in (f'tinystories_{arch}', f'tinystories_{arch}_s6'):
-        path = os.path.join(HERE, 'config', name + '.py')
-        docs[name] = ast.get_docstring(ast.parse(open(path).read()))
-        runs[name] = train.parse_args([path], train.DEFAULTS, train.CHOICES)
-    code, s6 = runs[f'tinystories_{arch}'], runs[f'tinystories_{arch}_s6']
-    assert (code['lr'], s6['lr']) == (2e-4, 5e-3) and code['out_dir'] != s6['out_dir']
-    assert {k for k in code if code[k] != s6[k]} == {'lr', 'out_dir'}
-    assert "follows the author's code" in docs[f'tinystories_{arch}']
-    assert "follows Table S6's caption" in docs[f'tinystories_{arch}_s6']
 
 
 def test_lr_schedule():
@@ -261,74 +223,44 @@ def test_demo_preset_is_a_step_budget_so_its_result_does_not_depend_on_the_machi
     assert cfg['max_time'] == 0 and cfg['max_iters'] > 0
 
 
-def test_step_line_shows_elapsed_time_and_what_is_left(data, tmp_path, monkeypatch, capsys):
+def test_step_line_shows_elapsed_time_and_what_is_left(data, tmp_path, capsys):
     """Each step line ends with the wall time so far and the training time left, from the step or
-    time budget, whichever ends first. A slow evaluation shows its progress, fast ones do not."""
-    assert train_run(data, tmp_path / 'a', '--max_iters=10', '--eval_interval=10') == 0
-    out, err = capsys.readouterr()
-    assert 'evaluating' not in err
-    monkeypatch.setattr(train, 'EVAL_QUIET_S', 0.0)  # as if every batch took long
-    assert train_run(data, tmp_path / 'b', '--max_iters=2', '--eval_interval=2') == 0
-    assert 'evaluating val: batch 2 of 2' in capsys.readouterr().err
-    lines = [l for l in out.splitlines() if l.startswith('step 5 |')]
-    assert len(lines) == 1 and re.search(r'\| \d+:\d\d elapsed, ~\d+:\d\d left$', lines[0]), lines
+    time budget, whichever ends first."""
+    assert train_run(data, tmp_path, '--max_iters=10', '--eval_interval=10') == 0
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('step 5 |')]
+    assert len(lines) == 1 and re.search(r'\| \d:\d\d:\d\d elapsed, ~\d:\d\d:\d\d left$', lines[0])
     cfg = dict(max_iters=100, max_time=0.0)
-    assert train.time_left(cfg, 50, 1e3, 2.0) == 100.0                    # steps: 50 at 2 s
-    assert train.time_left({**cfg, 'max_time': 60.0}, 50, 50.0, 2.0) == 10.0   # time ends first
-    assert train.clock(3723) == '1:02:03' and train.clock(59.9) == '0:59'
+    assert str(train.time_left(cfg, 50, 1e3, 2.0)) == '0:01:40'               # steps: 50 at 2 s
+    assert str(train.time_left({**cfg, 'max_time': 60.0}, 50, 50.0, 2.0)) == '0:00:10'  # time
 
 
-@pytest.mark.parametrize('preset,says', [(None, ['config/demo.py', 'GPU']),
-                                          ('tinystories_mixer', ['python prepare.py tinystories']),
-                                          ('fineweb_llama', ['python prepare.py fineweb-edu'])])
-def test_train_without_arguments_on_a_cpu_names_the_demo(preset, says, tmp_path, monkeypatch,
-                                                         capsys):
+@pytest.mark.parametrize('argv,says', [
+    ([], ['config/demo.py', 'GPU']),
+    (['config/tinystories_mixer.py'], ['python prepare.py tinystories']),
+    (['config/fineweb_llama.py'], ['python prepare.py fineweb-edu']),
+    (['--device=cuda', '--data_dir={data}'], ['no CUDA GPU', '--device=cpu'])])
+def test_a_cpu_names_the_demo_the_prepare_command_and_the_device(argv, says, data, tmp_path,
+                                                                  monkeypatch, capsys):
     """The defaults are GPU-sized: on a CPU a bare `python train.py` says what to run instead, at
     once, rather than training for hours; a preset without its data names its prepare command (run
-    where there is no data, which neither must reach)."""
+    where there is no data); --device=cuda without CUDA names the way out. None makes a folder."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
-    argv = [os.path.join(HERE, 'config', f'{preset}.py')] if preset else []
+    argv = [os.path.join(HERE, a) if a.endswith('.py') else a.format(data=data) for a in argv]
     code, _, err = run_main(capsys, 'train', *argv)
     assert code == 2 and all(w in err for w in says) and not os.listdir(tmp_path), err
 
 
-def test_ctrl_c_says_whether_anything_was_saved(data, tmp_path, monkeypatch, capsys):
-    """Before the first checkpoint nothing can be resumed: the message says to rerun with
-    --overwrite (the folder holds a log); after it, to resume."""
-    evaluate = train.evaluate
-
-    def interrupt_at(step):
-        def fake(cfg, *args):
-            if fake.calls == step:
-                raise KeyboardInterrupt
-            fake.calls += 1
-            return evaluate(cfg, *args)
-        fake.calls = 0
-        return fake
-    monkeypatch.setattr(train, 'evaluate', interrupt_at(0))
-    code, _, err = run_main(capsys, 'train', f'--data_dir={data}', f'--out_dir={tmp_path}', *TINY,
-                            '--max_iters=8', '--eval_interval=4')
-    assert code == 130 and 'nothing was saved' in err and '--overwrite' in err, err
-    assert 'resume' not in err
-    monkeypatch.setattr(train, 'evaluate', interrupt_at(2))    # after step 4's checkpoint
-    code, _, err = run_main(capsys, 'train', f'--data_dir={data}', f'--out_dir={tmp_path}', *TINY,
-                            '--max_iters=8', '--eval_interval=4', '--overwrite')
-    assert code == 130 and '--init_from=resume' in err, err
-
-
 def test_resume_and_fresh_runs_name_the_way_out(data, tmp_path, monkeypatch, capsys):
     """No checkpoint to resume: start afresh with --overwrite. A folder holding a log but no
-    checkpoint: --overwrite only; one holding a checkpoint: resume or --overwrite, nothing touched.
-    Resuming a spent budget says so at once, naming --max_iters and --max_time, and evaluates
-    nothing again. --overwrite starts the run afresh."""
+    checkpoint: --overwrite only. Resuming a spent budget says so at once, naming --max_iters and
+    --max_time, and evaluates nothing again. --overwrite starts the run afresh."""
     argv = [f'--data_dir={data}', f'--out_dir={tmp_path}', *TINY, '--max_iters=4']
     refused(capsys, 'train', [*argv, '--init_from=resume'], '--overwrite')
     (tmp_path / 'log.jsonl').write_text('')
     code, _, err = run_main(capsys, 'train', *argv)
     assert code == 2 and '--overwrite' in err and '--init_from=resume' not in err, err
     assert train_run(data, tmp_path, '--max_iters=4', '--eval_interval=4', '--overwrite') == 0
-    assert '--init_from=resume' in refused(capsys, 'train', argv, '--overwrite', keep=[tmp_path])
     log = (tmp_path / 'log.jsonl').read_text()
     monkeypatch.setattr(train, 'evaluate', None)  # would raise if called
     code, out, err = run_main(capsys, 'train', *argv, '--init_from=resume')
@@ -340,31 +272,42 @@ def test_resume_and_fresh_runs_name_the_way_out(data, tmp_path, monkeypatch, cap
     assert weights(tmp_path, 'best.pt')['step'] == 2
 
 
-def test_outputs_default_under_out_which_git_ignores():
-    """Every training output lands in out/, which git ignores, as it does retrieve's runs and index,
-    a downloaded peer's models/ folder and the bench outputs the README names."""
-    assert train.DEFAULTS['out_dir'] == sample.DEFAULTS['out_dir'] == 'out'
-    ignored = [p.strip().lstrip('/') for p in open(os.path.join(HERE, '.gitignore')) if p.strip()]
-    assert 'out*/' in ignored or 'out/' in ignored
-    folders = (retrieve.INDEX['index'], retrieve.TRAIN['out_dir'], retrieve.INDIRECT['out_dir'],
-               'models')
-    for name in [f.split('/')[0] + '/' for f in folders] + ['bench.json', 'bench.png']:
-        assert any(fnmatch.fnmatch(name, p) for p in ignored), name
+def test_resume_takes_the_run_from_its_checkpoint(data, tmp_path, capsys):
+    """--init_from=resume and the folder continue a run of any preset: model, data and loop keys
+    come from the checkpoint, a flag given here wins; a model flag that contradicts it is
+    refused."""
+    assert train_run(data, tmp_path, '--arch=gpt', '--max_iters=4', '--eval_interval=4') == 0
+    assert train.main([f'--out_dir={tmp_path}', '--init_from=resume', '--max_iters=6']) == 0
+    ckpt = weights(tmp_path)
+    assert ckpt['step'] == 6 and ckpt['model_config']['arch'] == 'gpt'
+    assert ckpt['config']['d_model'] == 32 and ckpt['config']['lr'] == 1e-2   # TINY's, not defaults
+    err = refused(capsys, 'train', [f'--out_dir={tmp_path}', '--init_from=resume', '--max_iters=8',
+                                    '--arch=llama'], '--arch=llama', keep=[tmp_path])
+    assert "arch='gpt'" in err
 
 
-def test_a_batch_two_processes_cannot_share_is_refused_before_any_process_group(data, capsys,
-                                                                                 monkeypatch):
-    monkeypatch.setenv('WORLD_SIZE', '2')
-    refused(capsys, 'train', [f'--data_dir={data}', '--batch_size=3'], 'batch_size')
+def test_a_failed_save_is_one_line_and_keeps_the_last_checkpoint(data, tmp_path):
+    """A disk that fills during a save (here a file size limit: Python ignores SIGXFSZ, so the write
+    fails with EFBIG): one error line naming the file, status 2, the last checkpoints whole."""
+    assert train_run(data, tmp_path, '--max_iters=4', '--eval_interval=4') == 0
+    before = {name: (tmp_path / name).read_bytes() for name in ('ckpt.pt', 'best.pt')}
+    limit = len(before['ckpt.pt']) // 2
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, 'train.py'), f'--out_dir={tmp_path}',
+         '--init_from=resume', '--max_iters=8'], env=ENV, capture_output=True, text=True,
+        timeout=120, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    assert proc.returncode == 2 and proc.stderr.count('\n') == 1, proc.stderr
+    assert re.match(r'error: cannot write \S+(best|ckpt)\.pt \(File too large\)', proc.stderr)
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    assert sorted(os.listdir(tmp_path)) == ['best.pt', 'ckpt.pt', 'log.jsonl']  # no temp file
 
 
 @pytest.mark.parametrize('name,damage',
-                         [('train.bin', lambda b: b[:-64]), ('train.bin', lambda b: b + b'\0'),
-                                         ('meta.json', lambda b: b[:len(b) // 2]),
-                                         ('val_docs.npy', None)])
+                         [('train.bin', lambda b: b[:-64]), ('val_docs.npy', None),
+                          ('meta.json', lambda b: b[:len(b) // 2])])
 def test_data_files_must_agree_with_meta(name, damage, data, tmp_path, capsys):
-    """A truncated or odd-sized token file, a corrupt meta.json, a missing offsets file: each is
-    refused by name."""
+    """A truncated token file, a corrupt meta.json, a missing offsets file: each is refused by
+    name."""
     shutil.copytree(data, tmp_path / 'data')
     path = tmp_path / 'data' / name
     path.write_bytes(damage(path.read_bytes())) if damage else path.unlink()
