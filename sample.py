@@ -75,7 +75,8 @@ def decode_layout(model):
 
 
 def compiled_step(model):
-    """model.step through torch.compile, dynamic shapes: one graph serves every position."""
+    """model.step through torch.compile, dynamic shapes: one graph serves the positions of a
+    window (its last one gets a second)."""
     return torch.compile(model.step, dynamic=True)
 
 
@@ -124,10 +125,10 @@ def sample(argv):
     print(f'sampling from {path} ({model.cfg.arch}, method {args.method}, {device} {dtype}: {why})',
           file=sys.stderr)
     step = compiled_step(model) if args.compile and args.method == 'cache' else None
-    if step:  # it compiles on its first calls: timed apart from the sampling
+    if step:  # it compiles on its first calls (a window's last position apart): timed apart
         t0 = time.perf_counter()
         warm = torch.tensor([ids] * args.num_samples, device=device)  # the samples' batch shape
-        model.generate(warm, 3, temperature=0, step=step)  # traces the step at 2 positions
+        model.generate(warm, model.cfg.n_ctx, temperature=0, step=step)  # through a whole window
         print(f'compiled the cached step in {time.perf_counter() - t0:.1f} s (once per process; '
               f'not in the tokens/s below)', file=sys.stderr)
     t0 = time.perf_counter()

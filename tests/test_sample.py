@@ -39,7 +39,7 @@ def test_compiled_step_traces_once_for_all_positions(arch):
     tok_e, logit_e = decode(model, prompt(5), steps, 'cache')
     assert torch.equal(tok_c, tok_e)
     torch.testing.assert_close(logit_c, logit_e, atol=1e-5, rtol=1e-5)
-    # not one per position: the window's last one (a slice of a whole buffer) may get its own
+    # not one per position: a window's last one gets its own
     assert counters['stats']['unique_graphs'] <= 2, dict(counters['stats'])
 
 
