@@ -27,7 +27,7 @@ def test_decode_layout_changes_strides_not_tokens(variant):
 
 
 @pytest.mark.parametrize('arch', ['mixer', 'llama'])
-def test_compiled_step_traces_once_for_all_positions(arch):
+def test_compiled_step_decodes_as_eager_without_a_graph_per_position(arch):
     """sample.compiled_step (inductor's CPU code) through a slide: dynamic shapes, so not a graph
     per position; the eager step's greedy tokens, its fp32 logits up to summation order."""
     from torch._dynamo.utils import counters
