@@ -162,7 +162,7 @@ def training_step_seconds(s, cfg, xy):
     torch.manual_seed(s.seed)
     model = build_model(cfg).to(s.dev).train()
     step = torch.compile(model) if s.compile else model
-    opt = configure_optimizer(model, 1e-4, 0.01, s.dev.type)
+    opt = configure_optimizer(model, 1e-4, 0.01)
     seconds = []
     for _ in range(s.warmup + s.repeats):
         sync(s.dev)

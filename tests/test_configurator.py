@@ -99,12 +99,9 @@ REFUSALS = [
     ('train', ['--max_iter=3'], '--max_iters'),
     *[('train', [*TRAIN, f'--{k}={v}'], k) for k, v in [('max_iters', -1), ('eval_iters', 0)]],
     ('train', [*TRAIN, '--device=gpu0'], 'gpu0'),
-    *[('sample', [*SAMPLE, f'--{k}={v}'], k) for k, v in [
-        ('temperature', -1), ('temperature', 'nan'), ('temperature', 1e-45), ('top_k', 0),
-        ('top_p', 0), ('top_p', 1.5), ('num_samples', 0)]],
-    *[('sample', [*SAMPLE, arg], arg.split('=')[1])
-      for arg in ['--method=beam', '--dtype=int8', '--device=tpu9']],
-    ('sample', [*SAMPLE, '--bogus=1'], 'bogus'), ('prepare', ['wikipedia', OUT], 'wikipedia'),
+    ('sample', [*SAMPLE, '--temperature=-1'], 'temperature'),
+    ('sample', [*SAMPLE, '--method=beam'], 'beam'),
+    ('prepare', ['wikipedia', OUT], 'wikipedia'),
     ('prepare', ['pystdlib', '--max_docs=zero', OUT], 'max_docs'),
     ('prepare', ['pystdlib', '--bogus=1', OUT], 'bogus'),
     ('prepare', ['pystdlib', '--tokenizer=p50k_nope', OUT], 'p50k_nope'),
@@ -121,7 +118,6 @@ REFUSALS = [
     ('bench', ['represent', '--ckpt={trained}/ckpt.pt', '--layer=3'], 'layer'),
     # each script's own ranges (the command-line layer knows none, section 7)
     ('train', ['--data_dir=/nonexistent', '--max_time=-1'], 'max_time'),
-    ('sample', ['--seed=-1'], 'seed'),
     # a required flag missing, or two that exclude each other
     ('prepare', ['text', OUT], 'input'), ('prepare', ['pystdlib', '--input=x.txt', OUT], 'input'),
     ('retrieve', [*EVAL[:2]], 'pairs'),
@@ -130,7 +126,6 @@ REFUSALS = [
     ('retrieve', ['search', '--ckpt={mixer}', '--docs={pairs}/pairs_val.jsonl'], 'query'),
     ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--negatives=paper',
                   '--symmetric=True'], 'symmetric'),
-    ('sample', [*SAMPLE, '--ckpt={trained}/ckpt.pt'], 'ckpt'),
     # input files: missing, empty, unreadable, or not what they should be
     ('train', ['--data_dir={tmp}/nope', OUT], '{tmp}/nope'),
     ('train', ['--data_dir={data}', '--out_dir={tmp}/none', '--init_from=resume'], '{tmp}/none'),
@@ -143,6 +138,7 @@ REFUSALS = [
     ('sample', ['--ckpt={tmp}/n1.pt'], 'n_ctx=1'),
     ('sample', [*SAMPLE, '--prompt=FILE:/nonexistent/p.txt'], '/nonexistent/p.txt'),
     ('sample', [*SAMPLE, '--prompt=FILE:{tmp}/latin1.txt'], 'latin1.txt'),
+    ('sample', ['--ckpt={tmp}/moved.pt'], '{tmp}/moved/tokenizer.model'),
     ('prepare', ['text', '--input=does/not/exist', OUT], 'does/not/exist'),
     ('prepare', ['text', '--input={tmp}/empty', OUT], '{tmp}/empty'),
     ('prepare', ['text', '--input={tmp}/blank.txt', OUT], 'empty'),
@@ -207,6 +203,9 @@ def scratch(tmp_path, data_dir):
     (tmp_path / 'nce').mkdir()  # a retrieve.py train run's folder
     train.save_checkpoint({'kind': 'retrieval', 'model': {}}, str(tmp_path / 'nce/ckpt.pt'))
     make_ckpt(tmp_path / 'n1.pt', data_dir, n_ctx=1)
+    (tmp_path / 'moved').mkdir()  # a checkpoint's data_dir without its tokenizer model
+    (tmp_path / 'moved/meta.json').write_bytes((data_dir / 'meta.json').read_bytes())
+    make_ckpt(tmp_path / 'moved.pt', tmp_path / 'moved')
 
 
 @pytest.mark.parametrize('script,argv,culprit', REFUSALS, ids=[f'{s}:{c}' for s, _, c in REFUSALS])
