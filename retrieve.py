@@ -329,6 +329,7 @@ def cmd_train(cfg):
     resume, init_from = (src, src['init_from']) if resuming else (None, os.path.abspath(path))
     encoder = text_encoder(src, path, cfg['embed_pos'])
     embed_pos, n_ctx = encoder.embed_pos, encoder.model.cfg.n_ctx
+    train.check_loop(cfg, resume)
     train.check_run_dir(cfg['out_dir'], resume is None, cfg['overwrite'])
     rt = train.setup_runtime(cfg, resume and resume.get('dtype'))  # a resumed run keeps its dtype
     try:
@@ -503,6 +504,7 @@ def cmd_indirect(cfg):
     pairs = {s: read_pairs(os.path.join(cfg['data_dir'], f'pairs_{s}.jsonl')) for s in train.SPLITS}
     cs = capped(int_list(cfg['c'], 'c', low=3), 'c', min(len(pairs[s][0]) for s in pairs))
     outs, n_val = {c: os.path.join(cfg['out_dir'], f'c{c}') for c in cs}, len(pairs['val'][0])
+    train.check_loop(cfg)
     for folder in outs.values():   # every output location, before any embedding or training
         train.check_run_dir(folder, True, cfg['overwrite'], resumable=False)
     rt, ckpt = train.setup_runtime(cfg), os.path.abspath(cfg['ckpt'])
