@@ -9,7 +9,7 @@ A step averages grad_accum micro-batches of batch_size sequences whatever the nu
 (rank_pieces), and micro-batch j of step s is a pure function of (seed, split, s, j): a preset is
 the same experiment on 1 GPU or 8, and a resumed run ends bit-identical (no model has dropout).
 A resume takes the run's keys from its checkpoint; a flag given with it wins (a model key must
-agree).
+agree with the checkpoint).
 The run stops at max_iters steps or max_time seconds of training, whichever comes first; the
 learning rate decays as that budget is used. --dtype=auto picks bf16 where the hardware has it
 natively, else float32 (fp16 on old GPUs); the checkpoint records it and a resume keeps it.
@@ -481,20 +481,6 @@ def model_from_checkpoint(ckpt):
     return model.eval()
 
 
-def resumed_config(cfg, ckpt, path):
-    """The keys of the run in train.py checkpoint `ckpt`, but for those set here (not to their
-    default), which win; a model key set here must agree: the model comes from the checkpoint."""
-    if ckpt['kind'] != 'lm':
-        raise ValueError(f"{path} is a {ckpt['kind']!r} checkpoint, not one of train.py's")
-    given = {k: v for k, v in cfg.items() if v != DEFAULTS[k]}
-    for k in MODEL_KEYS:
-        if k in given and given[k] != ckpt['model_config'][k]:
-            raise ValueError(f"--{k}={given[k]} contradicts {path}, trained with "
-                             f"{k}={ckpt['model_config'][k]!r}: drop it (a resume takes the model "
-                             f"from its checkpoint), or train into a new --out_dir")
-    return {**ckpt['config'], **given, 'out_dir': cfg['out_dir']}  # the folder may have moved
-
-
 RUN_FILES = ('ckpt.pt', 'best.pt', 'log.jsonl')  # what makes an out_dir hold a training run
 
 
@@ -624,7 +610,17 @@ def train_lm(argv):
             raise ValueError(f"no checkpoint at {path} to resume: start afresh with "
                              f"--init_from=scratch --overwrite (or pass the run's --out_dir)")
         resume = load_checkpoint(path)
-        cfg = resumed_config(cfg, resume, path)
+        if resume['kind'] != 'lm':
+            raise ValueError(f"{path} is a {resume['kind']!r} checkpoint, not one of train.py's")
+        # the run's own keys are the defaults now (the folder may have moved); flags still win
+        run = {**DEFAULTS, **resume['config'], 'out_dir': cfg['out_dir']}
+        cfg = parse_args(argv, run, __doc__, CHOICES)
+        trained = resume['model_config']
+        asked = asdict(ModelConfig(**{**trained, **{k: cfg[k] for k in MODEL_KEYS}}))
+        for k in (k for k in trained if asked[k] != trained[k]):
+            raise ValueError(f"--{k}={asked[k]} contradicts {path}, trained with {k}="
+                             f"{trained[k]!r}: a resume takes the model from its checkpoint; "
+                             f"drop the flag, or train into a new --out_dir")
     check_loop(cfg, resume)
     meta = load_meta(cfg['data_dir'])
     mcfg = ModelConfig(vocab_size=meta['vocab_size'], **{k: cfg[k] for k in MODEL_KEYS})

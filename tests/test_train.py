@@ -274,12 +274,15 @@ def test_resume_and_fresh_runs_name_the_way_out(data, tmp_path, monkeypatch, cap
 
 def test_resume_takes_the_run_from_its_checkpoint(data, tmp_path, capsys):
     """--init_from=resume and the folder continue a run of any preset: model, data and loop keys
-    come from the checkpoint, a flag given here wins; a model flag that contradicts it is
-    refused."""
-    assert train_run(data, tmp_path, '--arch=gpt', '--max_iters=4', '--eval_interval=4') == 0
-    assert train.main([f'--out_dir={tmp_path}', '--init_from=resume', '--max_iters=6']) == 0
+    come from the checkpoint, a flag given here wins (even one set to train.py's default); a model
+    flag that contradicts it is refused."""
+    assert train_run(data, tmp_path, '--arch=gpt', '--max_iters=4', '--eval_interval=4',
+                     '--warmup_iters=2') == 0
+    assert train.main([f'--out_dir={tmp_path}', '--init_from=resume', '--max_iters=6',
+                       f"--warmup_iters={train.DEFAULTS['warmup_iters']}"]) == 0
     ckpt = weights(tmp_path)
     assert ckpt['step'] == 6 and ckpt['model_config']['arch'] == 'gpt'
+    assert ckpt['config']['warmup_iters'] == train.DEFAULTS['warmup_iters']
     assert ckpt['config']['d_model'] == 32 and ckpt['config']['lr'] == 1e-2   # TINY's, not defaults
     err = refused(capsys, 'train', [f'--out_dir={tmp_path}', '--init_from=resume', '--max_iters=8',
                                     '--arch=llama'], '--arch=llama', keep=[tmp_path])
