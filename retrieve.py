@@ -1,31 +1,24 @@
 """
 retrieve.py: retrieval with masked mixers and transformers (paper §6), in one file.
 
-    python retrieve.py train    --init_from=out/ckpt.pt --data_dir=data/pystdlib
-    python retrieve.py eval     --ckpt=out-retrieval/ckpt.pt --pairs=data/pystdlib/pairs_val.jsonl
+    # InfoNCE fine-tuning of a pretrained checkpoint (§6.3, eqs 7-8)
+    python retrieve.py train --init_from=out/ckpt.pt --data_dir=data/pystdlib
+    # top-1 for many n (Tables 1, 3, 4), MRR@10, recall@k; --peer=NAME: a sentence-transformer too
+    python retrieve.py eval --ckpt=out-retrieval/ckpt.pt --pairs=data/pystdlib/pairs_val.jsonl
+    # a RetrievalMixer per c on the frozen model's last hidden states (§6.2, Algorithm 1)
     python retrieve.py indirect --ckpt=out/ckpt.pt --data_dir=data/pystdlib --c=32,128
-    python retrieve.py search   --ckpt=out-retrieval/ckpt.pt --docs=src/,notes.txt \\
-                                --query="parse an ISO date" --k=5
+    # the n_ctx-token chunks of folders and text files closest to a query
+    python retrieve.py search --ckpt=out-retrieval/ckpt.pt --docs=src/ --query="parse an ISO date"
 
-Commands (python retrieve.py COMMAND --help lists a command's keys and their defaults):
-  train     InfoNCE fine-tuning of a pretrained checkpoint on pairs_train.jsonl (§6.3, eqs 7-8)
-  eval      top-1 accuracy for many n (Tables 1, 3, 4), MRR@10 and recall@1/5/10 against all
-            targets; --peer also scores a sentence-transformers model on the same pairs
-  indirect  a RetrievalMixer on the frozen model's raw last hidden states (§6.2, Algorithm 1)
-  search    embed documents (folders, text files, .jsonl "text" fields) in n_ctx-token chunks
-            and print the chunks closest to a query
-
+python retrieve.py COMMAND --help lists its keys; train and indirect run train.py's loop
+(DDP under torchrun, AMP, budgets, log.jsonl; train resumes with --init_from=resume).
 n counts as Table 1's caption does: one query, its matching target and n-2 non-matching targets,
 so n-1 candidates (chance 1/(n-1)); indirect's c and train's paper negatives count the same way.
-train and indirect run train.py's fit: its loop keys (--lr, --grad_accum, --max_iters, --max_time,
---dtype, --device, --compile, ...), DDP (torchrun --standalone --nproc_per_node=4 retrieve.py
-train ...), AMP, budgets, atomic checkpoints, log.jsonl, exact resume (--init_from=resume).
 """
-import contextlib, io, json, math, os, sys, time
+import contextlib, json, math, os, sys
 
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
@@ -37,7 +30,6 @@ from prepare import Tokenizer, check_online, visible_files
 
 TAU = 0.02             # InfoNCE temperature (eq. 8)
 PAPER_N = 32           # --negatives=paper: a query, its target and 30 non-matching ones (§6.3)
-DEFAULT_NS = tuple(2 ** k for k in range(5, 14))   # 32, 64, ..., 8192: the columns of Table 1
 
 
 # ----------------------------------------------------------------------------- each command's keys
@@ -77,14 +69,14 @@ EVAL = dict(
     ckpt='',
     peer='',                # also (or only) a sentence-transformers model: a folder or a hub name
     pairs='',               # a pairs JSONL file ({"query": ..., "target": ...} per line)
-    n=','.join(map(str, DEFAULT_NS)),  # Table 1's n (n-1 candidates), capped at the pairs + 1
+    n=','.join(str(2 ** k) for k in range(5, 14)),  # Table 1's n (32 ... 8192), at most pairs + 1
     seed=0,                 # seed of the sampled negatives
     json='',                # also write the metrics to this JSON file
 )
 SEARCH = dict(
     EMBED,
     ckpt='',
-    docs='',                # comma-separated folders, text files and .jsonl files ("text" fields)
+    docs='',                # comma-separated folders and text files
     query='',               # the text to look for
     k=5,                    # how many chunks to print
     show=300,               # characters of each chunk to print
@@ -92,34 +84,27 @@ SEARCH = dict(
 )
 
 
-# ----------------------------------------------------------------------------- files
+# ----------------------------------------------------------------------------- pairs, embeddings
 
-def read_jsonl(path, fields):
-    """(line number, object) per non-blank line of a .jsonl file of objects with string `fields`;
-    a bad line is an error naming file:line."""
-    rows = []
-    for lineno, line in enumerate(read_text_file(path, 'JSONL file').split('\n'), 1):
+def read_pairs(path):
+    """(queries, targets) from a JSONL file of {"query": ..., "target": ...} lines."""
+    queries, targets = [], []
+    for lineno, line in enumerate(read_text_file(path, 'pairs file').split('\n'), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             row = None
-        if not (isinstance(row, dict) and all(isinstance(row.get(k), str) for k in fields)):
-            raise ValueError(f"{path}:{lineno}: not a JSON object with string fields "
-                             f"{', '.join(fields)}: fix or delete that line")
-        rows.append((lineno, row))
-    return rows
+        if not (isinstance(row, dict)
+                and all(isinstance(row.get(k), str) for k in ('query', 'target'))):
+            raise ValueError(f"{path}:{lineno}: not a JSON object with string fields query and "
+                             f"target: fix or delete that line")
+        queries.append(row['query'])
+        targets.append(row['target'])
+    assert len(queries) >= 2, f"{path} holds {len(queries)} pair(s): retrieval needs at least 2"
+    return queries, targets
 
-
-def read_pairs(path):
-    """(queries, targets) from a pairs file of {"query": ..., "target": ...} lines."""
-    rows = [row for _, row in read_jsonl(path, ('query', 'target'))]
-    assert len(rows) >= 2, f"{path} holds {len(rows)} pair(s): retrieval needs at least 2"
-    return [row['query'] for row in rows], [row['target'] for row in rows]
-
-
-# ----------------------------------------------------------------------------- embeddings
 
 def left_pad(seqs, n_ctx, pad_id):
     """Token lists -> idx (B, n_ctx) with the pads first, mask (B, n_ctx) True on real tokens."""
@@ -179,13 +164,12 @@ def trimmed_hidden(model, idx, mask, at):
     return torch.cat(h)[torch.argsort(order)]            # back to the batch's order
 
 
-class TextEncoder(nn.Module):
+class TextEncoder(torch.nn.Module):
     """A language model as a text encoder: (B, n_ctx) left-padded tokens -> (B, d_model) unit
     rows, the last hidden state at window position embed_pos (normalize=False: raw). Left padding
     puts every text's last token at -1, a position a masked mixer (a weight per position) was
-    trained on (the paper read -2: its models shifted targets inside and never trained the last).
-    trim: pad columns skipped where that is exact (trimmed_hidden). Its state_dict is the
-    model's."""
+    trained on. trim: pad columns skipped where exact (trimmed_hidden). Its state_dict is the
+    model's, so its checkpoints are ordinary model checkpoints."""
 
     def __init__(self, model, embed_pos=-1, trim=True, normalize=True):
         super().__init__()
@@ -204,80 +188,71 @@ class TextEncoder(nn.Module):
     def state_dict(self, *args, **kwargs):
         return self.model.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict, strict=True, assign=False):
-        return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
-
-
-def text_encoder(ckpt, path, embed_pos=0, normalize=True):
-    """An 'lm' or 'retrieval' checkpoint's TextEncoder; embed_pos 0: the one it records, or -1."""
-    if ckpt.get('kind') not in ('lm', 'retrieval'):
-        raise ValueError(f"{path} is a {ckpt.get('kind')!r} checkpoint: embeddings come from an "
-                         f"'lm' (train.py) or 'retrieval' (retrieve.py train) checkpoint")
-    return TextEncoder(train.model_from_checkpoint(ckpt), embed_pos or ckpt.get('embed_pos', -1),
-                       normalize=normalize)
+    def load_state_dict(self, *args, **kwargs):
+        return self.model.load_state_dict(*args, **kwargs)
 
 
 class Embedder:
-    """A checkpoint's encoder and tokenizer: texts -> unit embeddings (N, d_model), batched, no
-    grad (normalize=False: the raw last hidden states)."""
+    """An 'lm' or 'retrieval' checkpoint's TextEncoder (embed_pos 0: the position it records, else
+    -1) and tokenizer: texts -> unit embeddings (N, d_model), batched, no grad (normalize=False:
+    the raw last hidden states). ckpt: the checkpoint's dict."""
 
     def __init__(self, ckpt_path, device='auto', dtype='auto', batch_size=32, embed_pos=0,
                  normalize=True):
-        ckpt = train.load_checkpoint(ckpt_path)
-        self.encoder = text_encoder(ckpt, ckpt_path, embed_pos, normalize)
+        self.ckpt = ckpt = train.load_checkpoint(ckpt_path)
+        if ckpt['kind'] not in ('lm', 'retrieval'):
+            raise ValueError(f"{ckpt_path} is a {ckpt['kind']!r} checkpoint: embeddings come from "
+                             f"an 'lm' (train.py) or 'retrieval' (retrieve.py train) checkpoint")
+        self.encoder = TextEncoder(train.model_from_checkpoint(ckpt),
+                                   embed_pos or ckpt.get('embed_pos', -1), normalize=normalize)
         self.device = train.resolve_device(str(device))
         self.dtype, _ = train.choose_dtype(self.device, dtype, ckpt.get('dtype'), reading=True)
-        self.batch_size = batch_size
+        self.batch_size, self.n_ctx = batch_size, self.encoder.model.cfg.n_ctx
         self.encoder.to(self.device).eval()
-        self.n_ctx, self.d_model = self.encoder.model.cfg.n_ctx, self.encoder.model.cfg.d_model
-        self.data = ckpt['data']                                 # data_dir and meta: the tokenizer
-        self.tok = Tokenizer.from_meta(self.data['meta'], self.data['data_dir'])
+        self.tok = Tokenizer.from_meta(ckpt['data']['meta'], ckpt['data']['data_dir'])
 
     @torch.no_grad()
     def embed_tokens(self, seqs):
         out = []
-        bar = tqdm(total=len(seqs), desc='embedding', unit='text', leave=False,
-                   disable=os.environ.get('RANK', '0') != '0')  # DDP: rank 0 shows it
-        for i in range(0, len(seqs), self.batch_size):
-            idx, mask = left_pad(seqs[i:i + self.batch_size], self.n_ctx, self.tok.pad_id)
-            with train.autocast(self.device, self.dtype):
-                out.append(self.encoder(idx.to(self.device), mask.to(self.device)).float().cpu())
-            bar.update(len(idx))
-        bar.close()
+        with tqdm(total=len(seqs), desc='embedding', unit='text', leave=False,
+                  disable=os.environ.get('RANK', '0') != '0') as bar:  # DDP: rank 0 shows it
+            for i in range(0, len(seqs), self.batch_size):
+                idx, mask = left_pad(seqs[i:i + self.batch_size], self.n_ctx, self.tok.pad_id)
+                with train.autocast(self.device, self.dtype):
+                    out.append(self.encoder(idx.to(self.device), mask.to(self.device)).cpu())
+                bar.update(len(idx))
         return torch.cat(out)
 
     def __call__(self, texts):  # str list -> (N, d_model) float32; bos first, as in pretraining
-        return self.embed_tokens([self.tok.encode(t, bos=True)[:self.n_ctx] for t in texts])
+        return self.embed_tokens([self.tok.encode(t, bos=True) for t in texts])
 
 
 # ----------------------------------------------------------------------------- candidates, losses
 
-def sample_candidates(match, n_pool, k, generator=None):
+def sample_candidates(match, n_pool, k, generator):
     """Algorithm 1 (§6.2) for a batch: for each match index (B,), k candidate indices into a pool
     of n_pool: k-1 distinct non-matching ones in random order, the match at a uniformly random
     slot. Returns cands (B, k) and labels (B,), the match's slot."""
-    B = match.shape[0]
-    assert 2 <= k <= n_pool, f"{k} candidates per query need 2 <= k <= {n_pool} (the pool size)"
-    keys = torch.rand(B, n_pool, generator=generator)
-    keys[torch.arange(B), match] = 2.0                             # never drawn as a negative
+    rows = torch.arange(match.shape[0])
+    keys = torch.rand(len(rows), n_pool, generator=generator)
+    keys[rows, match] = 2.0                                        # never drawn as a negative
     cands = torch.cat([keys.topk(k - 1, dim=1, largest=False).indices, match[:, None]], dim=1)
-    labels = torch.randint(0, k, (B,), generator=generator)
-    rows = torch.arange(B)
+    labels = torch.randint(0, k, (len(rows),), generator=generator)
     cands[rows, k - 1] = cands[rows, labels]                       # swap the match into its slot
     cands[rows, labels] = match
     return cands, labels
 
 
-def info_nce(q, t, labels, tau=TAU, symmetric=False):
-    """Eq. 7 with f = exp(cos / tau) (eq. 8), averaged over queries. q (B, d) and t unit rows;
+def info_nce(q, t, labels, symmetric=False):
+    """Eq. 7 with f = exp(cos / TAU) (eq. 8), averaged over queries. q (B, d) and t unit rows;
     t (M, d) is shared by all queries (in-batch negatives) or (B, k, d) per query (paper groups);
     labels (B,) index each query's match among its candidates. symmetric (in-batch, as CLIP):
     the mean with the reverse direction, each matching target picking its query among the B."""
     logits = q @ t.T if t.dim() == 2 else torch.einsum('bd,bkd->bk', q, t)
-    loss = F.cross_entropy(logits / tau, labels)
+    loss = F.cross_entropy(logits / TAU, labels)
     if symmetric:
         back = torch.arange(len(labels), device=labels.device)
-        loss = (loss + F.cross_entropy((t[labels] @ q.T) / tau, back)) / 2
+        loss = (loss + F.cross_entropy((t[labels] @ q.T) / TAU, back)) / 2
     return loss
 
 
@@ -323,18 +298,16 @@ def cmd_train(cfg):
         raise ValueError("--symmetric=True needs --negatives=inbatch (a paper group has one query)")
     resuming = cfg['init_from'] == 'resume'
     path = os.path.join(cfg['out_dir'], 'ckpt.pt') if resuming else cfg['init_from']
-    src = train.load_checkpoint(path)
+    embedder = Embedder(path, 'cpu', embed_pos=cfg['embed_pos'])    # fit moves it to its device
+    src, encoder, n_ctx = embedder.ckpt, embedder.encoder, embedder.n_ctx
     if resuming and src['kind'] != 'retrieval':
         raise ValueError(f"{path} is a {src['kind']!r} checkpoint, not one of retrieve.py train's")
     resume, init_from = (src, src['init_from']) if resuming else (None, os.path.abspath(path))
-    encoder = text_encoder(src, path, cfg['embed_pos'])
-    embed_pos, n_ctx = encoder.embed_pos, encoder.model.cfg.n_ctx
     train.check_loop(cfg, resume)
     train.check_run_dir(cfg['out_dir'], resume is None, cfg['overwrite'])
     rt = train.setup_runtime(cfg, resume and resume.get('dtype'))  # a resumed run keeps its dtype
     try:
-        tok = Tokenizer.from_meta(src['data']['meta'], src['data']['data_dir'])
-        get_batch = PairBatches(cfg, tok, n_ctx)
+        get_batch = PairBatches(cfg, embedder.tok, n_ctx)
         # freeze what embeddings do not use (lm head, a decoder): AdamW and DDP skip it
         encoder(torch.zeros(1, n_ctx, dtype=torch.long),
                 torch.ones(1, n_ctx, dtype=torch.bool)).sum().backward()
@@ -342,10 +315,8 @@ def cmd_train(cfg):
             p.requires_grad_(p.grad is not None)
             p.grad = None
         if rt.master:
-            trainable = sum(p.numel() for p in encoder.parameters() if p.requires_grad)
-            print(f"InfoNCE ({cfg['negatives']} negatives, tau {TAU}) from {init_from}: "
-                  f"{trainable / 1e6:.2f}M trainable parameters, embed_pos {embed_pos}, "
-                  f"{rt.describe()}")
+            n = sum(p.numel() for p in encoder.parameters() if p.requires_grad)
+            print(f"InfoNCE from {init_from}: {n / 1e6:.2f}M trainable parameters, {rt.describe()}")
 
         def loss_fn(model, batch):
             idx, mask, labels = batch
@@ -356,23 +327,20 @@ def cmd_train(cfg):
             return info_nce(q, t, labels, symmetric=cfg['symmetric'])
 
         extra = {'kind': 'retrieval', 'model_config': src['model_config'], 'data': src['data'],
-                 'embed_pos': embed_pos, 'init_from': init_from,
+                 'embed_pos': encoder.embed_pos, 'init_from': init_from,
                  'pairs_dir': os.path.abspath(cfg['data_dir'])}
         stats = train.fit(cfg, rt, encoder, get_batch, loss_fn, extra, resume)
     finally:
         rt.close()
-    if stats['stopped'] == 'diverged':
-        return 1
-    if rt.master:
-        print(f"done: step {stats['step']}, val InfoNCE loss {stats['val_loss']:.4f}; evaluate "
-              f"with python retrieve.py eval --ckpt={cfg['out_dir']}/ckpt.pt "
+    if rt.master and stats['stopped'] != 'diverged':
+        print(f"done: evaluate with python retrieve.py eval --ckpt={cfg['out_dir']}/ckpt.pt "
               f"--pairs={cfg['data_dir']}/pairs_val.jsonl")
-    return 0
+    return 1 if stats['stopped'] == 'diverged' else 0
 
 
 # ----------------------------------------------------------------------------- eval
 
-def retrieval_metrics(q, t, ns=DEFAULT_NS, seed=0, chunk=512):
+def retrieval_metrics(q, t, ns, seed):
     """Top-1 accuracy (%) for each n of Table 1 (one query, its target and n-2 non-matching targets
     sampled without replacement: n-1 candidates), and MRR@10, recall@1/5/10 against all targets.
     q, t (N, d) unit rows, q[i] matches t[i]. Each query draws one random order of the other
@@ -380,8 +348,8 @@ def retrieval_metrics(q, t, ns=DEFAULT_NS, seed=0, chunk=512):
     and accuracy falls with n. A tie with a negative counts as a miss."""
     N, gen = q.shape[0], torch.Generator().manual_seed(seed)
     hits, rank = {n: 0 for n in ns}, torch.empty(N, dtype=torch.long)
-    for a in range(0, N, chunk):
-        rows = torch.arange(a, min(a + chunk, N))
+    for a in range(0, N, 512):                                     # 512 queries at a time
+        rows = torch.arange(a, min(a + 512, N))
         b = torch.arange(len(rows))
         sim = q[rows] @ t.T                                        # (b, N) cosines
         pos = sim[b, rows]                                         # (b,) the matches
@@ -411,7 +379,7 @@ def capped(ns, key, n_pairs):
 def peer_embedder(name, device, batch_size):
     """A sentence-transformers model (a folder or a hub name) as texts -> unit rows (N, d): a known
     retriever scored on the same pairs. The optional package is imported only here."""
-    how = ("pass a model folder, --peer=PATH (README, Retrieval, installs all-MiniLM-L6-v2 "
+    how = ("pass a model folder, --peer=PATH (doc/usage.md, Retrieval, installs all-MiniLM-L6-v2 "
            "offline); sentence-transformers is optional: pip install sentence-transformers")
     try:
         from sentence_transformers import SentenceTransformer
@@ -445,10 +413,8 @@ def cmd_eval(cfg):
         models['peer'] = peer_embedder(cfg['peer'], device, cfg['batch_size'])
     ns, results = capped(ns, 'n', len(queries)), {}  # noted once the models have loaded
     for key, embed in models.items():
-        t0 = time.perf_counter()
         m = results[key] = retrieval_metrics(embed(queries), embed(targets), ns, cfg['seed'])
-        print(f"{cfg[key]}: {len(queries)} pairs from {cfg['pairs']}, embedded and ranked in "
-              f"{time.perf_counter() - t0:.1f}s")
+        print(f"{cfg[key]}: {len(queries)} pairs from {cfg['pairs']}")
         print('n      ' + ''.join(f"{n:>8}" for n in m['top1']))
         print('top-1% ' + ''.join(f"{v:8.1f}" for v in m['top1'].values()))
         r = m['recall@k']
@@ -462,7 +428,7 @@ def cmd_eval(cfg):
 
 # ----------------------------------------------------------------------------- indirect retrieval
 
-def algorithm1(q_emb, t_emb, match, c, generator=None):
+def algorithm1(q_emb, t_emb, match, c, generator):
     """Algorithm 1 (§6.2): RetrievalMixer inputs x (B, c, d) = [query, c-1 targets], the matching
     target at a uniformly random slot labels (B,), the other c-2 distinct and non-matching.
     Also returns the rows read, (B, c): the query's, then the targets'."""
@@ -472,35 +438,21 @@ def algorithm1(q_emb, t_emb, match, c, generator=None):
 
 
 @torch.no_grad()
-def indirect_accuracy(model, q_emb, t_emb, c, seed, batch=256):
+def indirect_accuracy(model, q_emb, t_emb, c, seed):
     """(mean cross-entropy, top-1 %) with every query of the split once, against c-1 candidates."""
     gen, loss, hits = torch.Generator().manual_seed(seed), 0.0, 0
     device = next(model.parameters()).device
-    for a in range(0, len(q_emb), batch):
-        x, labels, _ = algorithm1(q_emb, t_emb, torch.arange(a, min(a + batch, len(q_emb))), c, gen)
+    for a in range(0, len(q_emb), 256):
+        x, labels, _ = algorithm1(q_emb, t_emb, torch.arange(a, min(a + 256, len(q_emb))), c, gen)
         logits, l = model(x.to(device), labels.to(device))
         loss += float(l) * len(labels)
         hits += int((logits.argmax(-1).cpu() == labels).sum())
     return loss / len(q_emb), 100.0 * hits / len(q_emb)
 
 
-class Labelled(io.TextIOBase):
-    """A stream that starts each line with a label: indirect's training logs say which c."""
-
-    def __init__(self, out, label):
-        self.out, self.label, self.fresh = out, label, True
-
-    def write(self, text):
-        for line in text.splitlines(keepends=True):
-            self.out.write(self.label * self.fresh + line)
-            self.fresh = line.endswith('\n')
-        return len(text)
-
-
 def cmd_indirect(cfg):
     """Frozen embeddings, a RetrievalMixer per c (paper §6.2): how much retrieval the pretrained
-    embeddings carry, without changing the model that made them. The inputs are the raw hidden
-    states at embed_pos, as the author's code feeds them (normalize=True: unit rows x sqrt(d))."""
+    embeddings carry, without changing the model that made them."""
     pairs = {s: read_pairs(os.path.join(cfg['data_dir'], f'pairs_{s}.jsonl')) for s in train.SPLITS}
     cs = capped(int_list(cfg['c'], 'c', low=3), 'c', min(len(pairs[s][0]) for s in pairs))
     outs, n_val = {c: os.path.join(cfg['out_dir'], f'c{c}') for c in cs}, len(pairs['val'][0])
@@ -511,8 +463,9 @@ def cmd_indirect(cfg):
     try:
         embedder = Embedder(cfg['ckpt'], rt.device, cfg['dtype'], embed_pos=cfg['embed_pos'],
                             normalize=cfg['normalize'])
+        d_model = embedder.encoder.model.cfg.d_model
         # normalize: unit rows scaled to unit RMS per component, O(1) inputs whatever d_model
-        scale = math.sqrt(embedder.d_model) if cfg['normalize'] else 1.0
+        scale = math.sqrt(d_model) if cfg['normalize'] else 1.0
         emb = {s: tuple(embedder(texts) * scale for texts in pairs[s]) for s in train.SPLITS}
         results = {}
         for c in cs:
@@ -525,15 +478,16 @@ def cmd_indirect(cfg):
                 mine = slice(shard * len(x) // shards, (shard + 1) * len(x) // shards)
                 return rows[mine], x[mine], labels[mine]      # rows (B, c): the step's "tokens"
 
+            if rt.master:
+                print(f"## c={c} (n - 1 = {c - 1} candidates)")
             torch.manual_seed(cfg['seed'])
-            mixer = dict(d_model=embedder.d_model, n_layers=cfg['n_layers'], c=c)
+            mixer = dict(d_model=d_model, n_layers=cfg['n_layers'], c=c)
             model = RetrievalMixer(**mixer)
-            extra = {'kind': 'indirect', 'retrieval_mixer': mixer, 'data': embedder.data,
+            extra = {'kind': 'indirect', 'retrieval_mixer': mixer, 'data': embedder.ckpt['data'],
                      'embedder': dict(ckpt=ckpt, embed_pos=embedder.encoder.embed_pos,
                                       normalize=cfg['normalize'])}
-            with contextlib.redirect_stdout(Labelled(sys.stdout, f"c={c}: ")):
-                stats = train.fit(dict(cfg, out_dir=outs[c]), rt, model, get_batch,
-                                  lambda m, b: m(b[1], b[2])[1], extra)
+            stats = train.fit(dict(cfg, out_dir=outs[c]), rt, model, get_batch,
+                              lambda m, b: m(b[1], b[2])[1], extra)
             if stats['stopped'] == 'diverged':
                 return 1
             loss, top1 = indirect_accuracy(model.eval(), *emb['val'], c, cfg['seed'])
@@ -551,30 +505,21 @@ def cmd_indirect(cfg):
 
 # ----------------------------------------------------------------------------- search
 
-def collect_documents(paths):
-    """(source, text) for every document under paths: a folder's UTF-8 files (recursively, hidden
-    entries and binary files skipped), a .jsonl file's "text" fields, or a text file."""
-    docs = []
-    for path in paths:
-        if os.path.isdir(path):
-            for f in visible_files(path):
-                with contextlib.suppress(ValueError):             # not UTF-8: a binary file
-                    docs.append((f, read_text_file(f, 'document')))
-        elif path.endswith('.jsonl'):
-            rows = read_jsonl(path, ('text',))
-            docs += [(f"{path}:{lineno}", row['text']) for lineno, row in rows]
-        else:
-            docs.append((path, read_text_file(path, 'document')))
-    return docs
-
-
 def cmd_search(cfg):
     """Embed the documents in memory, a chunk per window, and print the chunks nearest the query."""
     embedder = Embedder(cfg['ckpt'], cfg['device'], cfg['dtype'], cfg['batch_size'],
                         cfg['embed_pos'])
     tok, step = embedder.tok, embedder.n_ctx - 1                 # bos is added to each chunk
+    docs = []   # (path, text): each text file, and each UTF-8 file under each folder
+    for path in cfg['docs'].split(','):
+        if os.path.isdir(path):
+            for f in visible_files(path):                         # hidden entries left out
+                with contextlib.suppress(ValueError):             # not UTF-8: a binary file
+                    docs.append((f, read_text_file(f, 'document')))
+        else:
+            docs.append((path, read_text_file(path, 'document')))
     chunks, seqs = [], []
-    for source, text in collect_documents(cfg['docs'].split(',')):
+    for source, text in docs:
         ids = tok.encode(text)
         starts = list(range(0, max(len(ids), 1), step))
         if len(starts) > 1 and len(ids) - starts[-1] < cfg['min_chunk']:

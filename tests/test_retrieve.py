@@ -7,54 +7,34 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import model as M, prepare, retrieve, train
+import model as M, retrieve, train
 from prepare import Tokenizer
 from tests.conftest import (V, name, tiny, make, records, weights, run_main, refused,
                             without_paths, torchrun, PAIR_WORDS, pair_texts, write_pairs)
 
 
 def test_info_nce_is_eq7():
-    """-log f(q, t+) / (f(q, t+) + sum f(q, t-)), f = exp(cos / tau) (eq. 8), by hand: over in-batch
-    targets, over groups of 31 candidates, and symmetric (mean with target-to-query), also for a row
-    shard."""
-    tau, f = 0.02, lambda a, b: math.exp(float(a @ b / (a.norm() * b.norm())) / 0.02)  # noqa: E731
+    """-log f(q, t+) / (f(q, t+) + sum f(q, t-)), f = exp(cos / 0.02) (eq. 8), by hand: in-batch, in
+    groups of 31, and symmetric (the mean with target-to-query), also for a row shard."""
+    f = lambda a, b: math.exp(float(a @ b / (a.norm() * b.norm())) / 0.02)  # noqa: E731
     q, t = unit(6, 16, seed=1), unit(6, 16, seed=2)
     by_hand = [-math.log(f(q[i], t[i]) / sum(f(q[i], t[j]) for j in range(6))) for i in range(6)]
-    got = retrieve.info_nce(q, t, torch.arange(6), tau).item()
+    got = retrieve.info_nce(q, t, torch.arange(6)).item()
     assert got == pytest.approx(np.mean(by_hand), rel=1e-9)
     q3, cands, labels = unit(3, 16, seed=3), unit(3, 31, 16, seed=4), torch.tensor([0, 17, 30])
     by_hand = [-math.log(f(q3[b], cands[b, labels[b]]) / sum(f(q3[b], c) for c in cands[b]))
                for b in range(3)]
-    got = retrieve.info_nce(q3, cands, labels, tau).item()
+    got = retrieve.info_nce(q3, cands, labels).item()
     assert got == pytest.approx(np.mean(by_hand), rel=1e-9)
-    nce = lambda *a: retrieve.info_nce(*a, tau).item()  # noqa: E731
-    both = retrieve.info_nce(q, t, torch.arange(6), tau, symmetric=True).item()
+    nce = lambda *a: retrieve.info_nce(*a).item()  # noqa: E731
+    both = retrieve.info_nce(q, t, torch.arange(6), symmetric=True).item()
     assert both == pytest.approx((nce(q, t, torch.arange(6)) + nce(t, q, torch.arange(6))) / 2,
                                  rel=1e-12)
     shard = torch.tensor([2, 3])
     # its queries vs all targets, its targets vs its queries
     expect = (nce(q[shard], t, shard) + nce(t[shard], q[shard], torch.arange(2))) / 2
-    assert retrieve.info_nce(q[shard], t, shard, tau,
-                             symmetric=True).item() == pytest.approx(expect, rel=1e-12)
-
-
-@pytest.mark.parametrize('negatives', ['inbatch', 'paper'])
-def test_info_nce_of_row_shards_averages_to_the_batch(corpus, negatives):
-    """A row shard keeps its queries and every in-batch target: the shard losses average to the
-    batch's."""
-    tok = Tokenizer.from_dir(str(corpus.data))
-    get = retrieve.PairBatches(dict(train.LOOP_DEFAULTS, data_dir=str(corpus.data),
-                                    negatives=negatives, batch_size=4), tok, 32)
-    emb = torch.nn.Embedding(tok.vocab_size, 8)
-
-    def loss(batch):
-        idx, _, labels = batch
-        e = F.normalize(emb(idx).mean(1), dim=-1)
-        q, rest = e[:len(labels)], e[len(labels):]
-        targets = rest if negatives == 'inbatch' else rest.view(len(labels), -1, 8)
-        return retrieve.info_nce(q, targets, labels)
-    torch.testing.assert_close(loss(get('train', 2, 0)),
-                               sum(loss(get('train', 2, 0, s, 2)) for s in range(2)) / 2)
+    got = retrieve.info_nce(q[shard], t, shard, symmetric=True).item()
+    assert got == pytest.approx(expect, rel=1e-12)
 
 
 TRIM = [dict(), dict(n_heads=2, kernel=3, n_convs=2), dict(softmax=True, pos_emb=True),
@@ -132,23 +112,33 @@ def test_samplers_place_the_match_once_uniformly_among_distinct_negatives():
     assert chi2(labels, c - 1) < 18.5                                    # p = 0.001, 4 dof
 
 
-def test_pair_batches_layout(corpus):
-    """paper: B queries then B groups of 31 candidates, the match at its label; inbatch: B + B rows.
-    Left padding; a pure function of its arguments."""
+@pytest.mark.parametrize('negatives', ['inbatch', 'paper'])
+def test_pair_batches_layout_and_row_shards(corpus, negatives):
+    """B queries, then B targets (inbatch) or B groups of 31 candidates (paper), the match at its
+    label, left-padded; a pure function of its arguments. A row shard keeps its queries and every
+    in-batch target: the shard losses average to the batch's."""
     tok = Tokenizer.from_dir(str(corpus.data))
-    cfg = dict(train.LOOP_DEFAULTS, data_dir=str(corpus.data), negatives='paper', batch_size=2)
-    batches = retrieve.PairBatches(cfg, tok, 32)
-    idx, mask, labels = batches('train', 5, 0)
-    assert idx.shape == (2 + 2 * 31, 32) and labels.shape == (2,)
-    assert torch.equal(idx, batches('train', 5, 0)[0])
-    queries, targets = batches.pairs['train']
-    for b in range(2):
-        row = 2 + 31 * b + labels[b]
-        assert idx[row][mask[row]].tolist() == targets[queries.index(idx[b][mask[b]].tolist())][:32]
+    get = retrieve.PairBatches(dict(train.LOOP_DEFAULTS, data_dir=str(corpus.data),
+                                    negatives=negatives, batch_size=4), tok, 32)
+    idx, mask, labels = get('val', None, 1)
+    group = 31 if negatives == 'paper' else 0
+    assert idx.shape == (4 + 4 * max(group, 1), 32) and torch.equal(idx, get('val', None, 1)[0])
     assert mask[:, -1].all() and not mask[:, 0].all()
-    idx, mask, labels = retrieve.PairBatches(dict(cfg, negatives='inbatch', batch_size=4), tok,
-                                             32)('val', None, 1)
-    assert idx.shape == (8, 32) and torch.equal(labels, torch.arange(4))
+    assert group or torch.equal(labels, torch.arange(4))
+    pairs = [(q[:32], t[:32]) for q, t in zip(*get.pairs['val'])]
+    for b in range(4):
+        row = 4 + group * b + labels[b]
+        assert (idx[b][mask[b]].tolist(), idx[row][mask[row]].tolist()) in pairs
+    emb = torch.nn.Embedding(tok.vocab_size, 8)
+
+    def loss(batch):
+        idx, _, labels = batch
+        e = F.normalize(emb(idx).mean(1), dim=-1)
+        q, rest = e[:len(labels)], e[len(labels):]
+        targets = rest.view(len(labels), -1, 8) if group else rest
+        return retrieve.info_nce(q, targets, labels)
+    torch.testing.assert_close(loss(get('train', 2, 0)),
+                               sum(loss(get('train', 2, 0, s, 2)) for s in range(2)) / 2)
 
 
 def test_eval_identical_texts_is_100_percent_and_n_is_capped(corpus, capsys, tmp_path):
@@ -160,11 +150,9 @@ def test_eval_identical_texts_is_100_percent_and_n_is_capped(corpus, capsys, tmp
         code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={ckpt}',
                                   f'--pairs={tmp_path}/same.jsonl',
                                   '--n=8,16,32', f'--json={tmp_path}/m.json')
-        m = json.loads((tmp_path / 'm.json').read_text())
-        assert code == 0 and set(m) == {'top1', 'mrr@10', 'recall@k', 'n_pairs'}
-        assert m['n_pairs'] == 40
-        assert m['top1'] == {'8': 100.0, '16': 100.0, '32': 100.0} and m['mrr@10'] == 1.0
-        assert m['recall@k'] == {'1': 100.0, '5': 100.0, '10': 100.0}
+        assert code == 0 and json.loads((tmp_path / 'm.json').read_text()) == {
+            'top1': {'8': 100.0, '16': 100.0, '32': 100.0}, 'mrr@10': 1.0,
+            'recall@k': {'1': 100.0, '5': 100.0, '10': 100.0}, 'n_pairs': 40}
     code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={corpus.mixer}',
                               f'--pairs={corpus.data}/pairs_val.jsonl', '--n=16,64,128',
                               f'--json={tmp_path}/m.json')
@@ -199,10 +187,10 @@ class FakePeer:
                         dtype=np.float32)
 
 
-def test_eval_peer_scores_a_sentence_transformer_on_the_same_pairs(corpus, capsys, tmp_path,
-                                                                    monkeypatch):
-    """--peer (a model folder) scores a sentence-transformers model by the same metric on the same
-    pairs, beside the checkpoint."""
+def test_eval_peer(corpus, capsys, tmp_path, monkeypatch):
+    """--peer=FOLDER scores a sentence-transformers model the same way on the same pairs, beside the
+    checkpoint; a hub name with the hub out of reach (a closed port) reads the cache only and says
+    to pass a folder, with sentence-transformers named as optional; so does the package missing."""
     pairs = corpus.data / 'pairs_val.jsonl'
     monkeypatch.setitem(sys.modules, 'sentence_transformers',
                         types.SimpleNamespace(SentenceTransformer=FakePeer))
@@ -216,19 +204,12 @@ def test_eval_peer_scores_a_sentence_transformer_on_the_same_pairs(corpus, capsy
                                           for x in retrieve.read_pairs(str(pairs))), (8, 16), 0)
     assert m['peer'] == expect and set(m['ckpt']) == set(expect)
     assert out.count('top-1%') == 2 and f'{tmp_path}: 48 pairs' in out
-
-
-def test_peer_by_name_fails_fast_without_the_hub(corpus, capsys, monkeypatch):
-    """A hub name with the hub out of reach (a closed port) reads the cache only and says to pass
-    a folder, with sentence-transformers named as optional; so does the package missing."""
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         dead = f'http://127.0.0.1:{s.getsockname()[1]}'  # closed once the block ends
     monkeypatch.setenv('HF_ENDPOINT', dead)
-    monkeypatch.setitem(sys.modules, 'sentence_transformers',
-                        types.SimpleNamespace(SentenceTransformer=FakePeer))
     FakePeer.calls.clear()
-    argv = ['eval', '--peer=all-MiniLM-L6-v2', f'--pairs={corpus.data}/pairs_val.jsonl', '--n=8']
+    argv = ['eval', '--peer=all-MiniLM-L6-v2', f'--pairs={pairs}', '--n=8']
     err = refused(capsys, 'retrieve', argv, '--peer=PATH')
     assert FakePeer.calls == [True]                       # never asked to reach the hub
     assert dead in err and 'sentence-transformers is optional' in err
@@ -236,29 +217,10 @@ def test_peer_by_name_fails_fast_without_the_hub(corpus, capsys, monkeypatch):
     refused(capsys, 'retrieve', argv, 'pip install sentence-transformers')
 
 
-def test_retrieval_mixer_learns_algorithm1_inputs():
-    """The label points at the match: on embeddings that carry the match, a RetrievalMixer learns
-    it."""
-    torch.manual_seed(0)
-    t = torch.randn(400, 32)
-    q = t + 0.3 * torch.randn(400, 32)  # a query is its target, noised
-    model, gen = M.RetrievalMixer(32, 2, 8), torch.Generator().manual_seed(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(300):
-        x, labels, _ = retrieve.algorithm1(q, t, torch.randint(0, 400, (64,), generator=gen), 8,
-                                           gen)
-        opt.zero_grad()
-        model(x, labels)[1].backward()
-        opt.step()
-    x, labels, _ = retrieve.algorithm1(q, t, torch.arange(400), 8, gen)
-    assert (model(x)[0].argmax(-1) == labels).float().mean() > 0.8     # chance: 1 in 7
-
-
 @pytest.mark.parametrize('normalize', [False, True])
 def test_indirect_trains_on_raw_hidden_states(corpus, capsys, tmp_path, monkeypatch, normalize):
-    """One RetrievalMixer per c, each an 'indirect' checkpoint, reading the frozen model's last
-    hidden states as they are (as the author's code; --normalize=True: unit rows x sqrt(d_model));
-    embedding shows its progress on stderr; each c's training and result lines say which c."""
+    """One RetrievalMixer per c, each an 'indirect' checkpoint under a header line, reading the
+    frozen model's last hidden states as they are (--normalize=True: unit rows x sqrt(d_model))."""
     seen = []
 
     class Recording(M.RetrievalMixer):
@@ -275,21 +237,19 @@ def test_indirect_trains_on_raw_hidden_states(corpus, capsys, tmp_path, monkeypa
                               f'--json={tmp_path}/ind.json')
     assert code == 0, err
     assert 'embedding:' in err and '/160' in err and '/48' in err
-    steps = [line for line in out.splitlines() if 'step ' in line]
-    for c in (4, 8):
-        assert sum(line.startswith(f'c={c}: step ') for line in steps) >= 3, out
-        assert re.search(rf'^c={c}: top-1 [\d.]+%', out, re.M), out
-    assert all(line.startswith(('c=4: ', 'c=8: ')) for line in steps), out
+    parts = re.split(r'^## (c=\d+ \(n - 1 = \d+ candidates\))\n', out, flags=re.M)
+    assert parts[1::2] == ['c=4 (n - 1 = 3 candidates)', 'c=8 (n - 1 = 7 candidates)'], out
+    for c, run in zip((4, 8), parts[2::2]):
+        assert run.count('step ') >= 3 and re.search(rf'^c={c}: top-1 [\d.]+%', run, re.M), out
     res = json.loads((tmp_path / 'ind.json').read_text())['c']
     assert set(res) == {'4', '8'}
     assert all(0 <= r['top1'] <= 100 and r['loss'] > 0 for r in res.values())
     ckpt = train.load_checkpoint(tmp_path / 'ind/c8/ckpt.pt')
-    assert ckpt['kind'] == 'indirect'
+    assert ckpt['kind'] == 'indirect' and ckpt['embedder']['ckpt'] == os.path.abspath(corpus.mixer)
     assert ckpt['retrieval_mixer'] == dict(d_model=32, n_layers=1, c=8)
-    assert ckpt['embedder']['ckpt'] == os.path.abspath(corpus.mixer)
     ckpt = train.load_checkpoint(corpus.mixer)      # the full window, here, not through TextEncoder
     model = train.model_from_checkpoint(ckpt).eval()
-    tok = prepare.Tokenizer.from_meta(ckpt['data']['meta'], str(corpus.data))
+    tok = Tokenizer.from_meta(ckpt['data']['meta'], str(corpus.data))
     texts = [t for s in train.SPLITS
              for side in retrieve.read_pairs(corpus.data / f'pairs_{s}.jsonl') for t in side]
     idx, mask = retrieve.left_pad([tok.encode(t, bos=True)[:32] for t in texts], 32, tok.pad_id)
@@ -304,10 +264,9 @@ def test_indirect_trains_on_raw_hidden_states(corpus, capsys, tmp_path, monkeypa
 
 
 def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
-    """60 InfoNCE steps from an untrained LM beat chance 3x; the lm head stays frozen; the result is
-    an ordinary model checkpoint, and --init_from=resume continues it."""
-    data, mixer = corpus.data, corpus.mixer
-    out_dir = tmp_path / 'ret'
+    """60 InfoNCE steps from an untrained LM beat chance 3x; the result is an ordinary model
+    checkpoint, and --init_from=resume continues it."""
+    data, mixer, out_dir = corpus.data, corpus.mixer, tmp_path / 'ret'
     common = [f'--data_dir={data}', f'--out_dir={out_dir}', '--batch_size=16', '--lr=2e-3',
               '--warmup_iters=2', '--eval_interval=20', '--eval_iters=3', '--dtype=float32']
     code, out, err = run_main(capsys, 'retrieve', 'train', f'--init_from={mixer}',
@@ -322,11 +281,9 @@ def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     # chance is 1 in 47
     assert json.loads((tmp_path / 'm.json').read_text())['top1']['48'] > 3 * 100 / 47
     ckpt = train.load_checkpoint(out_dir / 'ckpt.pt')
-    before = torch.load(mixer, weights_only=True)['model']
     assert ckpt['kind'] == 'retrieval' and ckpt['embed_pos'] == -1
     assert ckpt['init_from'] == os.path.abspath(mixer)
-    assert set(train.model_from_checkpoint(ckpt).state_dict()) == set(before)
-    assert torch.equal(ckpt['model']['lm_head.weight'], before['lm_head.weight'])
+    train.model_from_checkpoint(ckpt)                    # loads strictly: the model's own keys
     assert run_main(capsys, 'retrieve', 'train', '--init_from=resume', '--max_iters=70',
                     *common)[0] == 0
     assert train.load_checkpoint(out_dir / 'ckpt.pt')['step'] == 70
@@ -349,8 +306,9 @@ def test_retrieval_ddp_row_shards_equal_one_process(corpus, capsys, tmp_path):
         torch.testing.assert_close(v, b['model'][k], rtol=0, atol=0.5 * 2e-3 / 21)
 
 
-def test_train_paper_negatives_and_autoencoder_encoder(corpus, capsys, tmp_path):
-    """Paper negatives with grad_accum train a llama; an autoencoder trains its encoder only."""
+def test_train_updates_only_what_embeddings_use(corpus, capsys, tmp_path):
+    """Paper negatives with grad_accum train a llama, its lm head frozen; an autoencoder trains its
+    encoder only."""
     for ckpt, extra in ((corpus.llama, ['--negatives=paper', '--batch_size=1', '--grad_accum=2']),
                         (corpus.ae, [])):
         out_dir = tmp_path / os.path.basename(ckpt)
@@ -365,28 +323,29 @@ def test_train_paper_negatives_and_autoencoder_encoder(corpus, capsys, tmp_path)
             assert changed and all(k.startswith('encoder.') for k in changed)
         else:
             assert after['config']['negatives'] == 'paper' and 'backbone.wte.weight' in changed
+            assert 'lm_head.weight' in before and 'lm_head.weight' not in changed
 
 
 def test_search_finds_a_document_and_joins_a_short_tail(corpus, capsys, tmp_path):
     """A document's own text finds it first, at cosine 1, among a folder's files (binary ones
-    skipped) and a .jsonl file's "text" fields. A document's last chunk of a few tokens (which
-    cosines rank first) joins the chunk before it; --min_chunk=0 keeps every window apart."""
+    skipped) and a text file. A document's last chunk of a few tokens (which cosines rank first)
+    joins the chunk before it; --min_chunk=0 keeps every window apart."""
     tok, words = Tokenizer.from_dir(str(corpus.data)), PAIR_WORDS * 8
     for end in range(40, len(words)):          # 31 tokens a chunk (n_ctx 32 less bos); tail 1-3
         long = ' '.join(words[:end]) + '\n'
         if len(tok.encode(long)) > 62 and 1 <= len(tok.encode(long)) % 31 <= 3:
             break
     n, rng = len(tok.encode(long)), random.Random(2)
-    texts = [''.join(pair_texts(rng, 100 + i)) for i in range(6)]
+    texts = [''.join(pair_texts(rng, 100 + i)) for i in range(4)]
     (tmp_path / 'docs').mkdir()
     for i, text in enumerate(texts[:3] + [long]):
         (tmp_path / f'docs/d{i}.py').write_text(text)
     (tmp_path / 'docs/blob.bin').write_bytes(b'\x89PNG\r\n\x1a\n\0')
-    (tmp_path / 'more.jsonl').write_text(''.join(json.dumps({'text': t}) + '\n' for t in texts[3:]))
+    (tmp_path / 'more.txt').write_text(texts[3])
     for query, source, min_chunk, stop in ((texts[2], 'docs/d2.py', 16, n - n % 31),
-                                           (texts[4], 'more.jsonl:2', 0, n)):
+                                           (texts[3], 'more.txt', 0, n)):
         code, out, err = run_main(capsys, 'retrieve', 'search', f'--ckpt={corpus.mixer}',
-                                  f'--docs={tmp_path}/docs,{tmp_path}/more.jsonl',
+                                  f'--docs={tmp_path}/docs,{tmp_path}/more.txt',
                                   f'--query={query}', '--k=99', '--show=9999',
                                   f'--min_chunk={min_chunk}', '--dtype=float32')
         found = re.findall(r'^\d+\. (\S+)  (\S+) @ token (\d+)\n((?: {3}.*\n?)*)', out, re.M)
