@@ -195,11 +195,12 @@ class TextEncoder(torch.nn.Module):
 class Embedder:
     """An 'lm' or 'retrieval' checkpoint's TextEncoder (embed_pos 0: the position it records, else
     -1) and tokenizer: texts -> unit embeddings (N, d_model), batched, no grad (normalize=False:
-    the raw last hidden states). ckpt: the checkpoint's dict."""
+    the raw last hidden states). info: the checkpoint's entries but its weights and optimizer."""
 
     def __init__(self, ckpt_path, device='auto', dtype='auto', batch_size=32, embed_pos=0,
                  normalize=True):
-        self.ckpt = ckpt = train.load_checkpoint(ckpt_path)
+        ckpt = train.load_checkpoint(ckpt_path)
+        self.info = {k: v for k, v in ckpt.items() if k not in ('model', 'optimizer')}
         if ckpt['kind'] not in ('lm', 'retrieval'):
             raise ValueError(f"{ckpt_path} is a {ckpt['kind']!r} checkpoint: embeddings come from "
                              f"an 'lm' (train.py) or 'retrieval' (retrieve.py train) checkpoint")
@@ -299,13 +300,16 @@ def cmd_train(cfg):
     resuming = cfg['init_from'] == 'resume'
     path = os.path.join(cfg['out_dir'], 'ckpt.pt') if resuming else cfg['init_from']
     embedder = Embedder(path, 'cpu', embed_pos=cfg['embed_pos'])    # fit moves it to its device
-    src, encoder, n_ctx = embedder.ckpt, embedder.encoder, embedder.n_ctx
+    src, encoder, n_ctx = embedder.info, embedder.encoder, embedder.n_ctx
     if resuming and src['kind'] != 'retrieval':
         raise ValueError(f"{path} is a {src['kind']!r} checkpoint, not one of retrieve.py train's")
-    resume, init_from = (src, src['init_from']) if resuming else (None, os.path.abspath(path))
+    resume = train.load_checkpoint(path) if resuming else None     # with its optimizer state
+    init_from = src['init_from'] if resuming else os.path.abspath(path)
     train.check_loop(cfg, resume)
     train.check_run_dir(cfg['out_dir'], resume is None, cfg['overwrite'])
     rt = train.setup_runtime(cfg, resume and resume.get('dtype'))  # a resumed run keeps its dtype
+    assert not cfg['symmetric'] or cfg['grad_accum'] % rt.world == 0, \
+        "--symmetric scores whole micro-batches: use a grad_accum divisible by the processes"
     try:
         get_batch = PairBatches(cfg, embedder.tok, n_ctx)
         # freeze what embeddings do not use (lm head, a decoder): AdamW and DDP skip it
@@ -483,7 +487,7 @@ def cmd_indirect(cfg):
             torch.manual_seed(cfg['seed'])
             mixer = dict(d_model=d_model, n_layers=cfg['n_layers'], c=c)
             model = RetrievalMixer(**mixer)
-            extra = {'kind': 'indirect', 'retrieval_mixer': mixer, 'data': embedder.ckpt['data'],
+            extra = {'kind': 'indirect', 'retrieval_mixer': mixer, 'data': embedder.info['data'],
                      'embedder': dict(ckpt=ckpt, embed_pos=embedder.encoder.embed_pos,
                                       normalize=cfg['normalize'])}
             stats = train.fit(dict(cfg, out_dir=outs[c]), rt, model, get_batch,

@@ -217,6 +217,24 @@ def test_eval_peer(corpus, capsys, tmp_path, monkeypatch):
     refused(capsys, 'retrieve', argv, 'pip install sentence-transformers')
 
 
+def test_retrieval_mixer_learns_algorithm1_inputs():
+    """The label points at the match: on embeddings that carry the match, a RetrievalMixer learns
+    it."""
+    torch.manual_seed(0)
+    t = torch.randn(400, 32)
+    q = t + 0.3 * torch.randn(400, 32)  # a query is its target, noised
+    model, gen = M.RetrievalMixer(32, 2, 8), torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(300):
+        match = torch.randint(0, 400, (64,), generator=gen)
+        x, labels, _ = retrieve.algorithm1(q, t, match, 8, gen)
+        opt.zero_grad()
+        model(x, labels)[1].backward()
+        opt.step()
+    x, labels, _ = retrieve.algorithm1(q, t, torch.arange(400), 8, gen)
+    assert (model(x)[0].argmax(-1) == labels).float().mean() > 0.8     # chance: 1 in 7
+
+
 @pytest.mark.parametrize('normalize', [False, True])
 def test_indirect_trains_on_raw_hidden_states(corpus, capsys, tmp_path, monkeypatch, normalize):
     """One RetrievalMixer per c, each an 'indirect' checkpoint under a header line, reading the
