@@ -282,6 +282,7 @@ def bench_generate(s):
                           warmup_s=warmup, tokens_per_s=tps, mb_per_step=step_bytes / 1e6,
                           gb_per_s=gb_per_s, read_gb_per_s=bandwidth / 1e9)
 
+
 # ----------------------------------------------------------------------------- accounting
 
 def param_counts(model):
@@ -371,9 +372,9 @@ def invert(O, e, steps, lr, gen):
     e_n = (0.5 + torch.randn(e.shape, generator=gen).to(e.device) / 20).requires_grad_()
     for n in range(steps):
         loss = l1_per_sequence(O(e_n), target).sum()
-        grad, = torch.autograd.grad(loss, e_n, allow_unused=True)  # None: O ignores its input
+        grad, = torch.autograd.grad(loss, e_n)
         with torch.no_grad():
-            e_n -= lr * (1 - 0.9 * n / max(1, steps - 1)) * (0 if grad is None else grad)
+            e_n -= lr * (1 - 0.9 * n / max(1, steps - 1)) * grad
     with torch.no_grad():
         return e_n.detach(), l1_per_sequence(O(e_n), target)
 
