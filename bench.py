@@ -9,16 +9,15 @@ MODE is one of
   generate    decoding tokens/s, fixed window vs cache, at batch 1 and 16, and the GB/s of reads
               that implies beside the machine's measured read bandwidth
   represent   input recovery from a layer's activations by gradient descent (paper §3.1-3.3)
-  all         the four modes above at their default sizes, printed as markdown tables
   race        archs trained for the same wall-clock budget by train.py, val loss vs time as a
               table and a picture (python bench.py race --help: its own keys)
 
 --archs, --n_ctx and --n_layers take comma lists and every mode runs their product (--batch_size
-too, in generate). Sizes default per mode (`MODE --help` lists them), small enough for `all` in
-minutes on 2 CPU cores; --full swaps in the paper's grid; the command line wins over both. A timed
-cell (throughput, generate) runs --repeats times and its row holds the median. Models are
-untrained unless represent gets --ckpt; inputs are random tokens unless --data_dir. The paper's
-memory settings: --batch_size=16 --n_heads=32.
+too, in generate). Sizes default per mode (`MODE --help` lists them), minutes each on 2 CPU
+cores; --full swaps in the paper's grid; the command line wins over both. A timed cell
+(throughput, generate) runs --repeats times and its row holds the median. Models are untrained
+unless represent gets --ckpt; inputs are random tokens unless --data_dir. The paper's memory
+settings: --batch_size=16 --n_heads=32.
 """
 import contextlib, importlib.util, json, os, platform, resource, signal, statistics, subprocess
 import sys, time
@@ -51,7 +50,6 @@ DEFAULTS = dict(
                             # weights instead; represent always runs in float32
     seed=0,
     json='',                # write every row to this JSON file
-    warmup=2,               # throughput: untimed steps before the timed ones
     repeats=3,              # timed runs of a throughput or generate cell; its row: their median
     compile=False,          # torch.compile the model (generate: the cached step, warm-up apart)
     mem_limit=12288,        # memory: MB a cell may use before OOM (the paper's 12 GB; 0: none)
@@ -61,7 +59,6 @@ DEFAULTS = dict(
     data_dir='',            # represent: inputs from its val.bin (default: random tokens)
     layer='',               # represent: comma list of layers l whose output is inverted (last)
     steps=500, lr=0.05,     # represent: gradient descent steps; step size, decaying to lr/10
-    arch='none',            # memory_cell (memory's subprocess): its one arch; none = the baseline
 )
 MODE_DEFAULTS = {  # each mode's sizes over DEFAULTS (which hold throughput's)
     'throughput': {},
@@ -76,44 +73,39 @@ FULL = {  # --full: the paper's settings (or the README's headline ones)
     'generate': dict(n_layers='8', n_ctx='512', prompt=256, new_tokens=256),
     'represent': dict(d_model=512, n_layers='8'),
 }
-MODES = (*MODE_DEFAULTS, 'all', 'race', 'memory_cell')
-BENCH_CHOICES = dict(mode=MODES, dtype=CHOICES['dtype'])
+# memory_cell: one cell of memory mode, run by it in a fresh interpreter
+BENCH_CHOICES = dict(mode=(*MODE_DEFAULTS, 'race', 'memory_cell'), dtype=CHOICES['dtype'])
 
 
-def settings(argv, mode):
-    """argv's settings for one mode: DEFAULTS, the mode's sizes (the paper's with --full), then argv
-    itself; comma lists split, the device and dtype resolved."""
-    defaults = dict(DEFAULTS, **MODE_DEFAULTS[mode])
-    s = parse_args(argv, defaults, __doc__, BENCH_CHOICES, positional='mode')
+def settings(argv):
+    """argv's settings: DEFAULTS, its mode's sizes (the paper's with --full), then argv itself;
+    comma lists split, the device and dtype resolved."""
+    s = parse_args(argv, DEFAULTS, __doc__, BENCH_CHOICES, 'mode', MODE_DEFAULTS)
     if s['full']:  # parsed again so that argv's own values still win over the paper's
-        s = parse_args(argv, dict(defaults, **FULL[mode]), __doc__, BENCH_CHOICES, 'mode')
-    s['archs'] = s['archs'].split(',')
+        full = {mode: dict(MODE_DEFAULTS[mode], **FULL[mode]) for mode in FULL}
+        s = parse_args(argv, DEFAULTS, __doc__, BENCH_CHOICES, 'mode', full)
+    s = SimpleNamespace(**s)
+    s.archs = s.archs.split(',')
     for key in ('n_layers', 'n_ctx', 'batch_size'):
-        s[key] = int_list(s[key], key)
-    if mode != 'generate':
-        assert len(s['batch_size']) == 1, f"--batch_size: one value in {mode}, a list in generate"
-        s['batch_size'] = s['batch_size'][0]
-    s['dev'] = resolve_device(s['device'])
-    s['torch_dtype'], why = choose_dtype(s['dev'], s['dtype'])
-    # what runs, as memory cells inherit it
-    s['device'], s['dtype'] = str(s['dev']), str(s['torch_dtype'])[6:]
-    if s['mode'] != 'memory_cell':
-        print(f"{mode}: {s['device']} {s['dtype']} ({why})", file=sys.stderr)
-    s = SimpleNamespace(**dict(s, mode=mode))
-    grid(s)  # a bad arch or size fails here, before any mode runs
+        setattr(s, key, int_list(getattr(s, key), key))
+    if s.mode != 'generate':
+        assert len(s.batch_size) == 1, f"--batch_size: one value in {s.mode}, a list in generate"
+        s.batch_size = s.batch_size[0]
+    s.dev = resolve_device(s.device)
+    s.torch_dtype, why = choose_dtype(s.dev, s.dtype)
+    s.device, s.dtype = str(s.dev), str(s.torch_dtype)[6:]  # what runs, as memory cells inherit it
+    if s.mode != 'memory_cell':  # (its parent checked and printed all this)
+        print(f"{s.mode}: {s.device} {s.dtype} ({why})", file=sys.stderr)
+        grid(s)  # a bad arch or size fails here, before any work
     return s
 
 
 def grid(s):
-    """Every (arch, n_layers, n_ctx) the mode should measure, as ModelConfigs."""
-    return [model_config(s, arch, n_layers, n_ctx)
+    """Every (arch, n_layers, n_ctx) the mode measures, as ModelConfigs. --n_heads counts attention
+    heads; a mixer's would count mixing heads, so mixers keep one."""
+    return [ModelConfig(arch=arch, vocab_size=s.vocab_size, n_ctx=n_ctx, d_model=s.d_model,
+                        n_layers=n_layers, n_heads=0 if arch in ('mixer', 'gmlp') else s.n_heads)
             for arch in s.archs for n_layers in s.n_layers for n_ctx in s.n_ctx]
-
-
-def model_config(s, arch, n_layers, n_ctx):
-    # --n_heads counts attention heads; a mixer's would count mixing heads, so mixers keep one
-    return ModelConfig(arch=arch, vocab_size=s.vocab_size, n_ctx=n_ctx, d_model=s.d_model,
-                       n_layers=n_layers, n_heads=0 if arch in ('mixer', 'gmlp') else s.n_heads)
 
 
 def flags(keys):
@@ -127,54 +119,38 @@ def row(s, cfg, **measured):
                 n_ctx=cfg.n_ctx, dtype=s.dtype, **measured)
 
 
-def out_of_memory(e):
-    """True for a failed allocation: torch raises RuntimeError (OutOfMemoryError on CUDA)."""
-    return isinstance(e, MemoryError) or 'memory' in str(e).lower()
-
-
 # ----------------------------------------------------------------------------- throughput
 
 def bench_throughput(s):
+    """ms per training step (forward under autocast, backward, AdamW) of a fresh model per cell:
+    the median of --repeats timed steps after two untimed ones (the allocator's first requests
+    and, with --compile, the compile); tokens/s and MFU against train.peak_flops."""
     peak = peak_flops(s.dev, s.torch_dtype)
     print(f"peak: {peak / 1e9:.0f} GFLOP/s ({s.dtype} on {s.device}: train.peak_flops)")
     gen = torch.Generator().manual_seed(s.seed)
     for cfg in grid(s):
         xy = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx + 1), generator=gen)
-        ms = tps = mfu = None                     # an OOM row, as memory mode gives
-        try:
-            ms = 1e3 * training_step_seconds(s, cfg, xy.to(s.dev))
-            tps = s.batch_size * cfg.n_ctx / (ms / 1e3)
-            mfu = flops_per_token(cfg) * tps / peak
-        except (RuntimeError, MemoryError) as e:  # the model or its step does not fit
-            if not out_of_memory(e):
-                raise
-            torch.cuda.empty_cache()  # a no-op unless CUDA is in use
-        print(f"  {cfg.arch} n_ctx={cfg.n_ctx}: "
-              + ('OOM' if ms is None else f"{ms:.0f} ms/step, {tps:.0f} tokens/s"), flush=True)
-        yield row(s, cfg, batch_size=s.batch_size, ms_per_step=ms, tokens_per_s=tps, mfu=mfu,
-                  peak_flops=peak)
-
-
-def training_step_seconds(s, cfg, xy):
-    """Median seconds of s.repeats training steps (forward under autocast, backward, AdamW) of a
-    fresh cfg model on xy (B, n_ctx + 1), after s.warmup untimed ones. The model is freed on
-    return, so a failed allocation leaves the next one its memory."""
-    torch.manual_seed(s.seed)
-    model = build_model(cfg).to(s.dev).train()
-    step = torch.compile(model) if s.compile else model
-    opt = configure_optimizer(model, 1e-4, 0.01)
-    seconds = []
-    for _ in range(s.warmup + s.repeats):
-        sync(s.dev)
-        t0 = time.perf_counter()
-        with autocast(s.dev, s.torch_dtype):
-            loss = step(xy[:, :-1], xy[:, 1:])[1]
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync(s.dev)
-        seconds.append(time.perf_counter() - t0)
-    return statistics.median(seconds[s.warmup:])
+        xy = xy.to(s.dev)                                                   # (B, n_ctx + 1)
+        torch.manual_seed(s.seed)
+        model = build_model(cfg).to(s.dev).train()
+        step = torch.compile(model) if s.compile else model
+        opt = configure_optimizer(model, 1e-4, 0.01)
+        seconds = []
+        for _ in range(2 + s.repeats):
+            sync(s.dev)
+            t0 = time.perf_counter()
+            with autocast(s.dev, s.torch_dtype):
+                loss = step(xy[:, :-1], xy[:, 1:])[1]
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync(s.dev)
+            seconds.append(time.perf_counter() - t0)
+        ms = 1e3 * statistics.median(seconds[2:])
+        tps = s.batch_size * cfg.n_ctx / (ms / 1e3)
+        print(f"  {cfg.arch} n_ctx={cfg.n_ctx}: {ms:.0f} ms/step, {tps:.0f} tokens/s", flush=True)
+        yield row(s, cfg, batch_size=s.batch_size, ms_per_step=ms, tokens_per_s=tps,
+                  mfu=flops_per_token(cfg) * tps / peak, peak_flops=peak)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -188,8 +164,8 @@ def proc_status(key):
 
 
 def memory_cell(s):
-    """Subprocess body: one forward + backward of a backbone (no lm head); prints peak bytes as
-    JSON. --arch=none builds nothing and gives the interpreter + torch baseline."""
+    """Subprocess body: one forward + backward of grid(s)[0]'s backbone (no lm head); prints peak
+    bytes as JSON. --archs=none builds nothing and gives the interpreter + torch baseline."""
     torch.ones(64, 64) @ torch.ones(64, 64)   # start the thread pool, as every cell does
     # allocations past --mem_limit fail: CUDA's by a memory fraction, the CPU's by an address cap
     if s.mem_limit and s.dev.type == 'cuda':
@@ -199,8 +175,8 @@ def memory_cell(s):
         limit = proc_status('VmSize') + s.mem_limit * 2**20   # what this process maps, plus it
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
     try:
-        if s.arch != 'none':
-            cfg = model_config(s, s.arch, s.n_layers[0], s.n_ctx[0])
+        if s.archs != ['none']:
+            cfg = grid(s)[0]
             backbone = Backbone(cfg).to(s.dev)
             idx = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx), device=s.dev)
             with autocast(s.dev, s.torch_dtype):
@@ -209,8 +185,8 @@ def memory_cell(s):
             sync(s.dev)
         cuda = s.dev.type == 'cuda'
         peak = torch.cuda.max_memory_allocated(s.dev) if cuda else proc_status('VmHWM')
-    except (RuntimeError, MemoryError) as e:
-        if not out_of_memory(e):
+    except (RuntimeError, MemoryError) as e:  # torch's allocators raise RuntimeError
+        if isinstance(e, RuntimeError) and 'memory' not in str(e).lower():
             raise
         peak = None
     print(json.dumps({'peak_bytes': peak}))
@@ -218,15 +194,13 @@ def memory_cell(s):
 
 def run_cell(s, arch, n_layers, n_ctx):
     """Peak bytes of one memory cell run in a fresh interpreter, or None if it ran out of memory."""
-    keys = dict(arch=arch, n_layers=n_layers, n_ctx=n_ctx, **{k: getattr(s, k) for k in (
+    keys = dict(archs=arch, n_layers=n_layers, n_ctx=n_ctx, **{k: getattr(s, k) for k in (
         'd_model', 'batch_size', 'n_heads', 'vocab_size', 'device', 'dtype', 'mem_limit')})
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), 'memory_cell', *flags(keys)],
                           capture_output=True, text=True)
     if proc.returncode < 0:  # killed by a signal: the kernel's OOM killer, or an allocator's abort
         return None
-    if proc.returncode != 0:
-        said = (proc.stderr.strip().splitlines() or ['no output'])[-1]  # its error line
-        raise ValueError(f"memory cell {arch} n_layers={n_layers} n_ctx={n_ctx} failed: {said}")
+    assert proc.returncode == 0, f"memory cell {flags(keys)} failed: {proc.stderr.strip()}"
     return json.loads(proc.stdout.strip().splitlines()[-1])['peak_bytes']
 
 
@@ -237,12 +211,12 @@ def bench_memory(s):
         mb = None if peak is None else (peak - base) / 2**20
         print(f"  {cfg.arch} n_layers={cfg.n_layers} n_ctx={cfg.n_ctx}: "
               + ('OOM' if mb is None else f"{mb:.0f} MB"), flush=True)
-        yield row(s, cfg, n_heads=cfg.n_heads, batch_size=s.batch_size, device=s.device, mb=mb)
+        yield row(s, cfg, n_heads=cfg.n_heads, batch_size=s.batch_size, mb=mb)
 
 
 # ----------------------------------------------------------------------------- generate
 
-def decode_stamps(model, prompt, new_tokens, method, s, step=None):
+def decode_stamps(model, prompt, new_tokens, method, step, s):
     """Seconds from the start to each token of greedy generation (the first holds the prefill)."""
     sync(s.dev)
     t0, stamps = time.perf_counter(), []
@@ -252,15 +226,15 @@ def decode_stamps(model, prompt, new_tokens, method, s, step=None):
     return stamps
 
 
-def read_bandwidth(dev, mib=256, budget=0.5):
-    """Bytes/s of a streaming read: sums of a mib-MiB fp32 buffer (more than a last-level cache
-    holds) with torch's threads, for `budget` seconds after one warm-up. Bytes over wall time, as
-    decoding tokens/s is: on a shared machine both see the same load."""
-    a = torch.ones(mib * 2**20 // 4, device=dev)
+def read_bandwidth(dev):
+    """Bytes/s of a streaming read: sums of a 256 MiB fp32 buffer (more than a last-level cache
+    holds) for half a second after one warm-up. Bytes over wall time, as decoding tokens/s is: on
+    a shared machine both see the same load."""
+    a = torch.ones(2**26, device=dev)
     a.sum()
     sync(dev)
     n, t0 = 0, time.perf_counter()
-    while n < 2 or time.perf_counter() < t0 + budget:
+    while n < 2 or time.perf_counter() < t0 + 0.5:
         a.sum()
         sync(dev)
         n += 1
@@ -268,11 +242,10 @@ def read_bandwidth(dev, mib=256, budget=0.5):
 
 
 def bench_generate(s):
-    """Greedy decoding tokens/s per arch, method and batch size, and the read bandwidth it implies:
-    bytes a step reads (decode_bytes, averaged over the timed positions) x steps/s, beside the
-    read bandwidth measured once. The weights are cast to the dtype, not autocast: a step is bound
-    by reading them. window runs at the first batch size only (compute-bound: batch B costs B
-    forwards). --compile compiles the cached step; its warm-up holds the compile, timed apart."""
+    """Greedy decoding tokens/s per arch, method and batch size, and the GB/s it implies: the bytes
+    a step reads (decode_bytes, averaged over the timed positions) x steps/s. The weights are cast
+    to the dtype, not autocast: a step is bound by reading them. window runs at the first batch
+    size only (compute-bound: batch B costs B forwards)."""
     bandwidth = read_bandwidth(s.dev)
     print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
     gen = torch.Generator().manual_seed(s.seed)
@@ -292,8 +265,8 @@ def bench_generate(s):
                 if method == 'window' and batch != s.batch_size[0]:
                     continue
                 # warm-up: two tokens, and the compile with --compile
-                warmup = decode_stamps(model, prompt, 2, method, s, step)[-1]
-                runs = [decode_stamps(model, prompt, s.new_tokens, method, s, step)
+                warmup = decode_stamps(model, prompt, 2, method, step, s)[-1]
+                runs = [decode_stamps(model, prompt, s.new_tokens, method, step, s)
                         for _ in range(s.repeats)]
                 per_token = statistics.median((t[-1] - t[0]) / (len(t) - 1) for t in runs)
                 positions = range(s.prompt, s.prompt + s.new_tokens - 1)  # the timed steps'
@@ -371,21 +344,9 @@ def decode_bytes(model, pos, batch=1, cached=True):
 
 # ----------------------------------------------------------------------------- represent
 
-def embedding_backbone(model):
-    """The backbone whose token embeddings are inverted: a LanguageModel's, an Autoencoder's
-    encoder."""
-    backbone = getattr(model, 'backbone', None) or getattr(model, 'encoder', None)
-    if backbone is None:
-        raise ValueError(f"represent needs one token embedding feeding one backbone; "
-                         f"{type(model).__name__} has not: probe a model of objective clm, "
-                         f"mtp2, half or autoencoder")
-    return backbone
-
-
-def layer_output_fn(model, idx, layer):
-    """O_l: token embeddings e (B, T, d) -> block l's output (B, T, d), by the model's own forward
+def layer_output_fn(backbone, idx, layer):
+    """O_l: token embeddings e (B, T, d) -> block l's output (B, T, d), by the backbone's forward
     with the embedding lookup's result swapped for e (so positions, RoPE and masks apply)."""
-    backbone = embedding_backbone(model)
     if not 1 <= layer <= len(backbone.blocks):
         raise ValueError(f"--layer={layer} is out of range: the model has layers "
                          f"1..{len(backbone.blocks)}")
@@ -411,9 +372,9 @@ def invert(O, e, steps, lr, gen):
     e_n = (0.5 + torch.randn(e.shape, generator=gen).to(e.device) / 20).requires_grad_()
     for n in range(steps):
         loss = l1_per_sequence(O(e_n), target).sum()
-        grad, = torch.autograd.grad(loss, e_n, allow_unused=True)  # None: O ignores its input
+        grad, = torch.autograd.grad(loss, e_n)
         with torch.no_grad():
-            e_n -= lr * (1 - 0.9 * n / max(1, steps - 1)) * (0 if grad is None else grad)
+            e_n -= lr * (1 - 0.9 * n / max(1, steps - 1)) * grad
     with torch.no_grad():
         return e_n.detach(), l1_per_sequence(O(e_n), target)
 
@@ -429,55 +390,58 @@ def represent_rows(model, idx, layers, steps, lr, pad_id=None, seed=0):
     only ('last', the non-self representation); each row has the Hamming distance, the final L1
     loss and the paper's epsilon: the L1 shift that N(0, 1/20) noise on e causes (converged:
     loss <= eps)."""
-    model = model.float().eval().requires_grad_(False)
-    wte = embedding_backbone(model).wte.weight
+    model, cfg = model.float().eval().requires_grad_(False), model.cfg
+    # the token embeddings inverted: a LanguageModel's backbone's, an Autoencoder's encoder's
+    backbone = getattr(model, 'backbone', None) or getattr(model, 'encoder', None)
+    if backbone is None:
+        raise ValueError(f"represent needs one token embedding feeding one backbone; "
+                         f"{type(model).__name__} has not: probe a model of objective clm, "
+                         f"mtp2, half or autoencoder")
     # eq. 3: a_N = W^+ e_N, W the (d, vocab) embedding map (the table transposed): pinv(table)^T
+    wte = backbone.wte.weight
     e, w_pinv = wte[idx], torch.linalg.pinv(wte)                     # (B, T, d), (d, vocab)
     rows = []
     for layer in layers:
-        O_all = layer_output_fn(model, idx, layer)
+        O_all = layer_output_fn(backbone, idx, layer)
         for which, O in (('all', O_all), ('last', lambda v: O_all(v)[:, -1:])):
             gen = torch.Generator().manual_seed(seed)
             e_n, loss = invert(O, e, steps, lr, gen)
             with torch.no_grad():
                 noise = torch.randn(e.shape, generator=gen).to(e.device) / 20
                 eps = l1_per_sequence(O(e + noise), O(e))
-            rows.append(dict(mode='represent', arch=model.cfg.arch, layer=layer, positions=which,
+            rows.append(dict(mode='represent', arch=cfg.arch, d_model=cfg.d_model,
+                             n_layers=cfg.n_layers, n_ctx=cfg.n_ctx, layer=layer, positions=which,
                              hamming=hamming(idx, (e_n @ w_pinv).argmax(-1), pad_id),  # a_N's
                              loss=loss.mean().item(), epsilon=eps.mean().item(),
                              converged=(loss <= eps).float().mean().item()))
+            print(f"  {cfg.arch} layer {layer} ({which}): hamming {rows[-1]['hamming']:.3f}",
+                  flush=True)
     return rows
 
 
-def represent_inputs(cfg, s, gen):
-    """(B, n_ctx) token windows at random starts in data_dir's val.bin, or uniform random tokens;
-    and the pad id."""
-    if not s.data_dir:
-        return torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx), generator=gen), None
-    meta = load_meta(s.data_dir)
-    data = np.memmap(os.path.join(s.data_dir, 'val.bin'), dtype=meta['dtype'], mode='r')
-    if len(data) <= cfg.n_ctx or meta['vocab_size'] > cfg.vocab_size:
-        raise ValueError(f"--data_dir={s.data_dir} does not fit the model (needs > n_ctx tokens, "
-                         f"vocab <= {cfg.vocab_size})")
-    starts = torch.randint(len(data) - cfg.n_ctx, (s.batch_size,), generator=gen).tolist()
-    idx = torch.from_numpy(np.stack([data[i:i + cfg.n_ctx].astype(np.int64) for i in starts]))
-    return idx, meta.get('pad_id')
-
-
 def bench_represent(s):
-    layers = int_list(s.layer, 'layer') if s.layer else None
+    """Each grid cell's untrained model (or --ckpt's) on random tokens (or windows at random
+    starts in --data_dir's val.bin), inverted at --layer (default: the last)."""
     gen = torch.Generator().manual_seed(s.seed)
-    for cfg in [None] if s.ckpt else grid(s):  # the checkpoint's model, or one per grid cell
+    for cfg in [None] if s.ckpt else grid(s):
         torch.manual_seed(s.seed)
         model = model_from_checkpoint(load_checkpoint(s.ckpt)) if s.ckpt else build_model(cfg)
-        idx, pad_id = represent_inputs(model.cfg, s, gen)
-        model, idx = model.to(s.dev), idx.to(s.dev)
-        for r in represent_rows(model, idx, layers or [model.cfg.n_layers], s.steps, s.lr, pad_id,
-                                s.seed):
-            r.update(d_model=model.cfg.d_model, n_layers=model.cfg.n_layers, n_ctx=model.cfg.n_ctx)
-            print(f"  {r['arch']} layer {r['layer']} ({r['positions']}): "
-                  f"hamming {r['hamming']:.3f}", flush=True)
-            yield r
+        cfg, pad_id = model.cfg, None
+        if s.data_dir:
+            meta = load_meta(s.data_dir)
+            data = np.memmap(os.path.join(s.data_dir, 'val.bin'), dtype=meta['dtype'], mode='r')
+            if len(data) <= cfg.n_ctx or meta['vocab_size'] > cfg.vocab_size:
+                raise ValueError(f"--data_dir={s.data_dir} does not fit the model (needs > n_ctx "
+                                 f"tokens, vocab <= {cfg.vocab_size})")
+            starts = torch.randint(len(data) - cfg.n_ctx, (s.batch_size,), generator=gen)
+            idx = torch.from_numpy(np.stack([data[i:i + cfg.n_ctx].astype(np.int64)
+                                             for i in starts.tolist()]))
+            pad_id = meta.get('pad_id')
+        else:
+            idx = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx), generator=gen)  # (B, T)
+        layers = int_list(s.layer, 'layer') if s.layer else [cfg.n_layers]
+        yield from represent_rows(model.to(s.dev), idx.to(s.dev), layers, s.steps, s.lr, pad_id,
+                                  s.seed)
 
 
 # ----------------------------------------------------------------------------- tables
@@ -493,56 +457,28 @@ def markdown(rows, cols):
     return '\n'.join(lines + ['| ' + ' | '.join(fmt(r[c]) for c in cols) + ' |' for r in rows])
 
 
-def memory_tables(rows):
-    """One table per arch laid out as the paper's S9/S10: rows n_layers, columns n_ctx, MB."""
-    out = []
-    for arch in dict.fromkeys(r['arch'] for r in rows):
-        mine = [r for r in rows if r['arch'] == arch]
-        ctxs = list(dict.fromkeys(r['n_ctx'] for r in mine))
-        table = [{'': f"n_layers={n}",
-                  **{f"n_ctx={r['n_ctx']}": r['mb'] for r in mine if r['n_layers'] == n}}
-                 for n in dict.fromkeys(r['n_layers'] for r in mine)]
-        r = mine[0]
-        head = (f"{arch}, d_model={r['d_model']}, {r['n_heads']} head(s), batch "
-                f"{r['batch_size']}, {r['dtype']}, {r['device']} (MB)")
-        out.append(head + '\n\n' + markdown(table, [''] + [f"n_ctx={c}" for c in ctxs]))
-    return '\n\n'.join(out)
-
-
-COLUMNS = {  # each mode's markdown table (README shows them); memory's is laid out as Tables S9/S10
-    'throughput': 'arch n_ctx d_model n_layers batch_size dtype ms_per_step tokens_per_s mfu',
-    'generate': 'arch method batch_size n_ctx d_model n_layers prompt new_tokens dtype compile '
-                'warmup_s tokens_per_s mb_per_step gb_per_s read_gb_per_s',
-    'represent': 'arch d_model n_layers n_ctx layer positions hamming loss epsilon converged',
-}
 MEASURE = {'throughput': bench_throughput, 'memory': bench_memory, 'generate': bench_generate,
            'represent': bench_represent}
 
 
 def run(argv):
-    """The rows of argv's mode (all: the four above), printed as tables and written to --json;
-    the output and every mode's settings are checked before the work."""
+    """The rows of argv's mode, printed as a table and written to --json as each is measured; the
+    output and the settings are checked before the work."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ['race']:  # its own keys: train.py's, per arch (see race)
         return race(argv)
-    args = parse_args(argv, DEFAULTS, __doc__, BENCH_CHOICES, 'mode', MODE_DEFAULTS)
-    if args['mode'] == 'memory_cell':
-        return memory_cell(settings(argv, 'memory'))
-    if args['json']:
-        check_output_file(args['json'], 'json')
-    modes = list(MEASURE) if args['mode'] == 'all' else [args['mode']]
-    done = []
-    for mode, s in [(mode, settings(argv, mode)) for mode in modes]:  # all checked first
-        print(f"## {mode}", flush=True)
-        rows = []
-        for r in MEASURE[mode](s):
-            rows.append(r)
-            if args['json']:  # every row as soon as it is measured: an interrupt keeps them
-                write_atomic(args['json'], json.dumps(done + rows, indent=1))
-        done += rows
-        table = memory_tables(rows) if mode == 'memory' else markdown(rows, COLUMNS[mode].split())
-        print(f"\n{table}\n", flush=True)
-    return done
+    s = settings(argv)
+    if s.mode == 'memory_cell':
+        return memory_cell(s)
+    if s.json:
+        check_output_file(s.json, 'json')
+    rows = []
+    for r in MEASURE[s.mode](s):
+        rows.append(r)
+        if s.json:  # every row as soon as it is measured: an interrupt keeps them
+            write_atomic(s.json, json.dumps(rows, indent=1))
+    print(f"\n{markdown(rows, list(rows[0])[1:])}\n", flush=True)  # every key but the mode
+    return rows
 
 
 # ----------------------------------------------------------------------------- race
@@ -561,7 +497,6 @@ RACE_TRAIN = dict(d_model=256, n_layers=4, n_ctx=256, batch_size=16, warmup_iter
 RACE_LR = {'mixer': 5e-3, 'gmlp': 5e-3}  # else 1.5e-3 (config/retrieval_*.py's CPU-sized rates)
 SAME_BATCHES = ('data_dir', 'n_ctx', 'batch_size', 'eval_iters', 'seed', 'batch_mode', 'padding',
                 'objective')
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def race(argv):
@@ -597,13 +532,18 @@ def race(argv):
     rows = race_table(curves)
     table = markdown(rows, list(rows[0])) if rows else 'no evaluations'
     print(f"\n{table}\n", flush=True)
+    if s.dev.type == 'cuda':
+        machine = torch.cuda.get_device_name(s.dev)
+    else:  # the CPU as platform names it, and the vector instructions torch's kernels use
+        cpu = torch.backends.cpu.get_cpu_capability()
+        machine = f"{platform.processor() or platform.machine()} ({cpu}, {os.cpu_count()} cores)"
     config = dict(archs=s.archs, max_time=s.max_time, eval_seconds=s.eval_seconds,
-                  device=str(s.dev), dtype=s.dtype, machine=race_machine(s.dev), runs=s.runs,
-                  status=status, interrupted=interrupted)
+                  device=str(s.dev), dtype=s.dtype, machine=machine, runs=s.runs, status=status,
+                  interrupted=interrupted)
     write_atomic(os.path.join(s.out_dir, 'race.md'), table + '\n')
     result = dict(settings=config, table=rows, curves=curves)
     write_atomic(os.path.join(s.out_dir, 'race.json'), json.dumps(result, indent=1))
-    race_plot(s, curves, os.path.join(s.out_dir, 'race.png'))
+    race_plot(s, curves, machine)
     print(f"wrote {s.out_dir}/race.md, race.json, race.png", flush=True)
     if interrupted:
         print("interrupted: every run stopped; race.md, race.json and race.png hold what was "
@@ -663,9 +603,8 @@ def race_settings(argv):
 
 
 def race_runs(s):
-    """Every arch's train.py, each evaluation printed as it lands in its log: on a CPU all at once
-    (they share the machine's load alike), on a GPU one after another (runs sharing a GPU get
-    uneven slices of it). ({arch: evaluations}, {arch: exit, started, ended}, interrupted?)."""
+    """Every arch's train.py (as the race's help says), each evaluation printed as it lands in its
+    log: ({arch: evaluations}, {arch: exit, started, ended}, interrupted?)."""
     cpu = s.dev.type == 'cpu'
     env = dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1') if cpu else os.environ
     curves, status, running, interrupted, t0 = {a: [] for a in s.archs}, {}, {}, False, time.time()
@@ -694,7 +633,7 @@ def race_runs(s):
                 with open(os.path.join(s.out_dir, f"{arch}.out"), 'w') as console:
                     # a session of its own: a terminal's Ctrl-C reaches the race, which stops it
                     running[arch] = subprocess.Popen(
-                        [sys.executable, os.path.join(HERE, 'train.py'), *s.runs[arch]],
+                        [sys.executable, Path(__file__).with_name('train.py'), *s.runs[arch]],
                         stdout=console, stderr=subprocess.STDOUT, env=env, start_new_session=True)
                 status[arch] = dict(exit=None, started=round(time.time() - t0, 2))
             while running:
@@ -743,19 +682,8 @@ def race_table(curves):
     return rows
 
 
-def race_machine(dev):
-    """The machine in words, for the picture's title."""
-    if dev.type == 'cuda':
-        return torch.cuda.get_device_name(dev)
-    name = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError, StopIteration):  # no /proc/cpuinfo name: platform's
-        with open('/proc/cpuinfo') as f:
-            name = next(ln.split(':', 1)[1].strip() for ln in f if ln.startswith('model name'))
-    return f"{name} ({torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores)"
-
-
-def race_plot(s, curves, path):
-    """Val loss vs training seconds and vs tokens seen, a line per arch."""
+def race_plot(s, curves, machine):
+    """race.png: val loss vs training seconds and vs tokens seen, a line per arch."""
     from matplotlib.figure import Figure  # no pyplot: no window, no backend to choose
     fig = Figure(figsize=(11, 4.2))
     axes = fig.subplots(1, 2)
@@ -769,10 +697,10 @@ def race_plot(s, curves, path):
         ax.grid(alpha=0.3)
         ax.legend()
     how = 'at once, 1 thread each' if s.dev.type == 'cpu' else 'one after another'
-    fig.suptitle(f"{race_machine(s.dev)}, {s.dtype}: {s.max_time:g} s of training per model "
-                 f"({how})", fontsize=10)
+    fig.suptitle(f"{machine}, {s.dtype}: {s.max_time:g} s of training per model ({how})",
+                 fontsize=10)
     fig.tight_layout()
-    write_atomic(path, lambda f: fig.savefig(f, format='png', dpi=80))
+    write_atomic(Path(s.out_dir, 'race.png'), lambda f: fig.savefig(f, format='png', dpi=80))
 
 
 def main(argv=None):
