@@ -1,31 +1,29 @@
 """Fixtures and helpers shared by test_model.py and tests/: tiny models, the tiny corpus prepared
 by prepare.py and a tiny mixer trained on it by train.py, the scripts run as a user runs them.
-test_model.py imports what it uses from here (`from tests.conftest import ...`); pytest hands the
-fixtures to the files in tests/ by itself."""
-import contextlib, dataclasses, json, math, os, random, re, signal, subprocess, sys, time, types
+test_model.py imports what it uses from here; pytest hands the fixtures to tests/ by itself."""
+import contextlib, dataclasses, importlib, json, math, os, random, re, subprocess, sys, time, types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import bench, prepare, retrieve, sample, train
+import prepare, train
 from model import ModelConfig, build_model
 
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo: scripts run here
-
-
-MAINS = {'train': train.main, 'sample': sample.main, 'retrieve': retrieve.main,
-         'prepare': prepare.main, 'bench': bench.main}
-
-
 V, N, D = 40, 12, 16       # vocab, n_ctx, d_model of the tiny test models
-
-
 ARCHS = ('mixer', 'llama', 'gpt', 'hybrid', 'gmlp', 'elita')
-
-
 VOCAB, N_CTX = 97, 16      # the decoding tests' (tiny_model's) vocab and n_ctx
+# train.py's tiny run; --device=cpu: the CPU's numbers on a GPU machine too
+TINY = ['--d_model=32', '--n_layers=2', '--n_ctx=32', '--batch_size=4', '--eval_iters=2',
+        '--log_interval=5', '--warmup_iters=0', '--lr=1e-2', '--device=cpu']
+BENCH_TINY = ['--d_model=32', '--n_layers=1', '--n_ctx=16', '--vocab_size=128', '--batch_size=2',
+              '--dtype=float32', '--device=cpu']
+ENV = dict(os.environ, OMP_NUM_THREADS='1')
+PAIR_WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega parse load save "
+              "merge split join sort count").split()
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
 
 
 def name(variant):
@@ -33,7 +31,7 @@ def name(variant):
 
 
 # every causal model: each arch, each mixer variant and combinations, each causal objective; each
-# is also a cached decoding path (section 2)
+# is also a cached decoding path (test_model.py section 1)
 VARIANTS = [
     dict(arch='mixer'), dict(arch='mixer', kernel=3),
     dict(arch='mixer', kernel=2),                                  # asymmetric 'same' padding
@@ -52,13 +50,12 @@ VARIANTS = [
     dict(arch='mixer', objective='mtp2'), dict(arch='mixer', objective='mtp2', tie_weights=True),
     dict(arch='llama', objective='mtp2'), dict(arch='elita', objective='mtp2'),
 ]
-
-
 PADDED = [(dict(arch=a), p) for a in ARCHS for p in ('right', 'left')]
 
 
 def assert_causal(model, idx, mask, gen, amp=contextlib.nullcontext):
-    """The test above, on the device of idx, each forward and backward under the context amp()."""
+    """No logit at t, nor its gradient, depends on a token after t: on idx's device, each forward
+    and backward under the context amp()."""
     with amp():
         logits, _ = model(idx, mask=mask)
     assert torch.isfinite(logits).all()
@@ -115,18 +112,14 @@ def interrupted_and_resumed(args, tmp_path):
     checkpoint, then resumed (in tmp_path/b). Checks the counters and that the log was mended."""
     assert train.main([*args, f'--out_dir={tmp_path}/a']) == 0
     out_b = tmp_path / 'b'
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, 'train.py'), *args,
-                             f'--out_dir={out_b}'],
-                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 60
-        while time.time() < deadline and not (out_b / 'ckpt.pt').exists():
-            time.sleep(0.01)
-        time.sleep(0.137)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    finally:
-        proc.kill()
+    cmd = [sys.executable, os.path.join(HERE, 'train.py'), *args, f'--out_dir={out_b}']
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (out_b / 'ckpt.pt').exists():
+        time.sleep(0.01)
+    time.sleep(0.137)
+    proc.kill()  # SIGKILL: kill -9
+    proc.wait()
     killed_at = max(json.loads(line)['step'] for line in open(out_b / 'log.jsonl')
                     if line.endswith('\n'))
     assert 25 <= weights(out_b)['step'] < 300 and killed_at < 300, "not interrupted mid-way"
@@ -137,13 +130,6 @@ def interrupted_and_resumed(args, tmp_path):
     # log trimmed, then appended
     assert steps == sorted(steps) and len(steps) == len(set(steps)) == 300
     return a, b
-
-
-BENCH_TINY = ['--d_model=32', '--n_layers=1', '--n_ctx=16', '--vocab_size=128', '--batch_size=2',
-              '--dtype=float32', '--device=cpu']
-
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
 
 
 @pytest.fixture(autouse=True, scope='session')
@@ -179,7 +165,7 @@ def embedding_grad(model, idx, mask, out_fn):
     wte = model.backbone.wte if hasattr(model, 'backbone') else \
         getattr(model, 'wte', None) or model.encoder.wte
     seen = []
-    # returns None
+    # the hook returns None: the output itself flows on
     hook = wte.register_forward_hook(lambda mod, inp, out: seen.append(out) or out.retain_grad())
     try:
         out_fn(model(idx, mask=mask)[0]).backward()
@@ -201,8 +187,7 @@ def padded_batch(padding, gen):
 
 
 def tiny_model(n_ctx=N_CTX, **kw):
-    return perturbed(ModelConfig(vocab_size=VOCAB, n_ctx=n_ctx, d_model=32, n_layers=2, **kw),
-                     0.1).eval()
+    return perturbed(tiny(vocab_size=VOCAB, n_ctx=n_ctx, d_model=32, **kw), 0.1).eval()
 
 
 def prompt(length, seed=1, batch=2):
@@ -213,15 +198,6 @@ def decode(model, idx, steps, method, **kw):
     """Greedy by default: (tokens (B, steps), logits (B, steps, vocab)) from model.stream."""
     toks, logits = zip(*model.stream(idx, steps, method=method, **{'temperature': 0.0, **kw}))
     return torch.stack(toks, 1), torch.stack(logits, 1)
-
-
-TINY = ['--d_model=32', '--n_layers=2', '--n_ctx=32', '--batch_size=4', '--eval_iters=2',
-        '--log_interval=5',
-        # the CPU's numbers on a GPU machine too (section 10: CUDA)
-        '--warmup_iters=0', '--lr=1e-2', '--device=cpu']
-
-
-ENV = dict(os.environ, OMP_NUM_THREADS='1')
 
 
 @pytest.fixture(scope='module')
@@ -261,8 +237,8 @@ def weights(out_dir, name='ckpt.pt'):
 def run_main(capsys, script, *argv):
     """(exit status, stdout, stderr) of a script's main(argv), as a user would see them."""
     try:
-        code = MAINS[script]([str(a) for a in argv])
-    except SystemExit as e:  # bench.main exits
+        code = importlib.import_module(script).main([str(a) for a in argv])
+    except SystemExit as e:  # --help exits
         code = e.code
     out = capsys.readouterr()
     return code, out.out, out.err
@@ -304,10 +280,6 @@ def torchrun(script, argv, nproc=2):
     return proc
 
 
-PAIR_WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega parse load save "
-              "merge split join sort count").split()
-
-
 def pair_texts(rng, tag):
     """A query and its target that share two words, like a docstring and its function."""
     a, b = rng.sample(PAIR_WORDS, 2)
@@ -326,8 +298,8 @@ def make_ckpt(path, data_dir, **kw):
                          'vocab_size': meta['vocab_size']})
     torch.manual_seed(0)
     train.save_checkpoint({'kind': 'lm', 'model_config': dataclasses.asdict(cfg),
-                           'data': {'data_dir': str(data_dir),
-                           'meta': meta}, 'model': build_model(cfg).state_dict()}, str(path))
+                           'data': {'data_dir': str(data_dir), 'meta': meta},
+                           'model': build_model(cfg).state_dict()}, str(path))
     return str(path)
 
 

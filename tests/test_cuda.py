@@ -1,4 +1,4 @@
-"""CUDA: the GPU code paths (skipped without a GPU; on one: python -m pytest -q tests/test_cuda.py)."""
+"""The GPU code paths (skipped without a GPU; on one: python -m pytest -q tests/test_cuda.py)."""
 import contextlib
 
 import pytest
@@ -22,8 +22,7 @@ AMP = {'float32': contextlib.nullcontext,
 @pytest.mark.parametrize('variant,padding', [(v, None) for v in VARIANTS] + PADDED,
                          ids=lambda x: name(x) if isinstance(x, dict) else str(x))
 def test_cuda_future_tokens_never_reach_past_logits(variant, padding, amp):
-    """Section 1's causality test on the GPU's kernels (cuBLAS, SDPA), in fp32 and under bf16
-    autocast."""
+    """test_model.py's causality test on the GPU kernels (cuBLAS, SDPA), fp32 and bf16 autocast."""
     gen = torch.Generator().manual_seed(1)
     idx, mask = padded_batch(padding, gen)
     model = perturbed(tiny(**variant), 0.05).cuda()
@@ -31,15 +30,13 @@ def test_cuda_future_tokens_never_reach_past_logits(variant, padding, amp):
 
 
 @cuda
-@pytest.mark.parametrize('kernel,amp,padding',
-                         [('flash', 'bfloat16', None), ('flash', 'float16', None),
-                                                ('efficient', 'float32', None),
-                                                ('efficient', 'float32', 'left'),
-                                                ('efficient', 'bfloat16', 'right')])
+@pytest.mark.parametrize('kernel,amp,padding', [
+    ('flash', 'bfloat16', None), ('flash', 'float16', None), ('efficient', 'float32', None),
+    ('efficient', 'float32', 'left'), ('efficient', 'bfloat16', 'right')])
 @pytest.mark.parametrize('arch', ['llama', 'gpt'])
 def test_cuda_sdpa_kernels_match_explicit_attention(arch, kernel, amp, padding, no_tf32):
     """SDPA's flash and memory-efficient kernels, each forced (an unusable one raises), against the
-    attention written out in float64: the GPU models compute the same function as the references."""
+    attention written out in float64."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     # head dim 32
     cfg = ModelConfig(arch=arch, vocab_size=V, n_ctx=64, d_model=128, n_layers=1, n_heads=4)
@@ -62,15 +59,14 @@ def test_cuda_sdpa_kernels_match_explicit_attention(arch, kernel, amp, padding, 
 @cuda
 @pytest.mark.parametrize('variant', VARIANTS, ids=name)
 def test_cuda_window_equals_cache(variant, no_tf32):
-    """Section 1's window == cache on the GPU (fp32): the same greedy tokens through a slide."""
+    """window == cache on the GPU (fp32): the same greedy tokens through a slide."""
     window_equals_cache(tiny_model(**variant).cuda(), prompt(5).cuda())
 
 
 @cuda
 @pytest.mark.parametrize('arch', ['mixer', 'llama'])
 def test_cuda_compiled_decode_step_equals_eager(arch, no_tf32):
-    """sample.compiled_step through inductor's GPU kernels: the eager step's tokens, its logits to
-    1e-4."""
+    """sample.compiled_step through inductor's GPU kernels: the eager step's tokens and logits."""
     model = tiny_model(arch=arch).cuda()
     torch._dynamo.reset()
     step = sample.compiled_step(model)
@@ -85,11 +81,9 @@ def test_cuda_compiled_decode_step_equals_eager(arch, no_tf32):
 @pytest.mark.parametrize('dtype', ['float16', 'bfloat16', 'float32'])
 @pytest.mark.parametrize('arch', ['mixer', 'llama', 'gpt'])
 def test_cuda_training_learns(data, tmp_path, arch, dtype):
-    """train.py on the GPU in each dtype lowers the loss; fp16 runs with a GradScaler whose state is
-    saved."""
+    """train.py on the GPU lowers the loss in each dtype; fp16 with a GradScaler, saved."""
     ckpt = learns(data, tmp_path, '--device=cuda', f'--dtype={dtype}', f'--arch={arch}')
-    scaler = ckpt['scaler']
-    assert (scaler is not None and scaler['scale'] > 0) == (dtype == 'float16')
+    assert (ckpt['scaler'] is not None and ckpt['scaler']['scale'] > 0) == (dtype == 'float16')
 
 
 @cuda
@@ -99,8 +93,7 @@ def test_cuda_compile_follows_the_eager_loss_curve(data, tmp_path, arch):
     curves = []
     for run, extra in (('eager', []), ('compiled', ['--compile'])):
         assert train_run(data, tmp_path / run, '--device=cuda', '--dtype=bfloat16',
-                         f'--arch={arch}',
-                         '--max_iters=20', '--eval_interval=20', *extra) == 0
+                         f'--arch={arch}', '--max_iters=20', '--eval_interval=20', *extra) == 0
         curves.append([r['loss'] for r in records(tmp_path / run, 'loss')])
     assert len(curves[0]) == 4
     torch.testing.assert_close(torch.tensor(curves[1]), torch.tensor(curves[0]), rtol=1e-2, atol=0)
@@ -119,8 +112,7 @@ def test_cuda_torchrun_one_process_is_ddp_over_nccl(data, tmp_path):
 @cuda
 def test_cuda_kill9_then_resume_continues_the_run(data, tmp_path):
     """kill -9 mid-run and --init_from=resume on the GPU: the uninterrupted run's weights and losses
-    (to float tolerance, not bit for bit: CUDA's embedding backward adds with atomics, in any
-    order)."""
+    (not bit for bit: CUDA's embedding backward adds with atomics, in any order)."""
     args = [f'--data_dir={data}', *TINY, '--device=cuda', '--dtype=float32', '--max_iters=300',
             '--eval_interval=25', '--log_interval=1']
     a, b = interrupted_and_resumed(args, tmp_path)
@@ -151,8 +143,7 @@ def test_cuda_sample_and_bench(trained, capsys):
 
 @pytest.fixture
 def no_tf32():
-    """Exact comparisons need true fp32 matmuls; train.py turns TF32 on for every later test of the
-    process."""
+    """Exact comparisons need true fp32 matmuls (train.py turns TF32 on for the whole process)."""
     flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield

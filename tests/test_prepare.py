@@ -1,7 +1,7 @@
 """prepare.py: the default corpus, tokenizers, retrieval pairs, the hub datasets from a local
 stand-in server (fixture `hub`)."""
 import hashlib, http.server, io, json, os, platform, random, re, signal, socket, subprocess
-import sys, threading, time, urllib.parse
+import sys, threading, time, types, urllib.parse
 
 import numpy as np
 import pyarrow as pa
@@ -21,8 +21,7 @@ def test_pystdlib_subset_agrees_with_meta_and_splits_by_module(stdlib_dir, capsy
     assert meta['val_docs'] > 0 and meta['source']['python'] == platform.python_version()
     assert meta['source']['files'] == meta['train_docs'] + meta['val_docs']
     root, files = prepare.stdlib_files()
-    assert not any(part in ('test', 'tests',
-                            'site-packages') for f in files for part in f.split('/')[:-1])
+    assert not {'test', 'tests', 'site-packages'} & {p for f in files for p in f.split('/')[:-1]}
     sources = {open(os.path.join(root, f), encoding='utf-8').read(): f for f in files[:400]}
     assert all(prepare.split_of(sources[d], 0.05) == s for s in docs for d in docs[s])
     # no val module's code among the train targets (a few small helpers exist verbatim in two
@@ -31,8 +30,7 @@ def test_pystdlib_subset_agrees_with_meta_and_splits_by_module(stdlib_dir, capsy
     from_train = {t for d in docs['train'] for _, t in docstring_pairs(d)}
     train_targets = {p['target'] for p in pairs['train']}
     assert from_val == {p['target'] for p in pairs['val']} and from_val
-    assert train_targets == from_train
-    assert not train_targets & (from_val - from_train)
+    assert train_targets == from_train and not train_targets & (from_val - from_train)
     mtimes = lambda: {n: os.stat(os.path.join(stdlib_dir, n)).st_mtime_ns  # noqa: E731
                       for n in os.listdir(stdlib_dir)}
     before = mtimes()
@@ -41,7 +39,9 @@ def test_pystdlib_subset_agrees_with_meta_and_splits_by_module(stdlib_dir, capsy
     assert 'up to date' in capsys.readouterr().out and mtimes() == before
 
 
-def test_tokenizer_round_trips_any_text(stdlib_dir, tmp_path):
+def test_tokenizer_round_trips_and_trains_deterministically(stdlib_dir, tmp_path, monkeypatch):
+    """Any text round-trips (unseen characters as byte pieces); training reads only its sample of
+    the stream and makes the same model twice."""
     tok = Tokenizer.from_dir(stdlib_dir)
     texts = ['naïve café, Ærøskøbing', 'emoji 🎉🚀 👩‍👩‍👧 ✔️',
              '中文字符 ∀x∈ℝ: x² ≥ 0', 'ʘ‿ʘ ☃ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢',
@@ -50,16 +50,24 @@ def test_tokenizer_round_trips_any_text(stdlib_dir, tmp_path):
     for text in texts:
         ids = tok.encode(text)
         assert tok.decode(ids) == text and not set(ids) & {tok.bos_id, tok.eos_id, tok.pad_id}
-    # unseen: byte pieces, no <unk>
     assert any(tok.sp.id_to_piece(i).startswith('<0x') for i in tok.encode('☃'))
     assert tok.encode('x', bos=True, eos=True) == [tok.bos_id] + tok.encode('x') + [tok.eos_id]
     assert tok.decode([tok.bos_id, *tok.encode('hi'), tok.eos_id, tok.pad_id]) == 'hi'
     assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
-    meta = json.load(open(os.path.join(stdlib_dir, 'meta.json')))
-    from_meta = Tokenizer.from_meta(meta, stdlib_dir)
-    assert from_meta.encode('def f(): pass') == tok.encode('def f(): pass')
     with pytest.raises(ValueError, match='meta.json'):
         Tokenizer.from_dir(tmp_path)
+    monkeypatch.setattr(prepare, 'TOKENIZER_SAMPLE', 20_000)
+    pulled = []
+
+    def documents():
+        rng = random.Random(0)
+        for i in range(100_000):
+            pulled.append(i)
+            yield 'train' if i % 10 else 'val', str(i), prose(rng, 10), None
+    prepare.train_tokenizer(documents, 2, 400, tmp_path / 'a.model')
+    assert 40 < len(pulled) < 400  # ~20 kB of every other training document, not the whole stream
+    prepare.train_tokenizer(documents, 2, 400, tmp_path / 'b.model')
+    assert (tmp_path / 'a.model').read_bytes() == (tmp_path / 'b.model').read_bytes()
 
 
 def test_killed_mid_encode_then_rerun_matches_uninterrupted(tmp_path, stdlib_dir):
@@ -72,28 +80,24 @@ def test_killed_mid_encode_then_rerun_matches_uninterrupted(tmp_path, stdlib_dir
             f"--tokenizer={stdlib_dir}/tokenizer.model"]
     assert prepare.main([*args, f'--out_dir={tmp_path}/a']) == 0
     out = tmp_path / 'b'
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, 'prepare.py'), *args,
-                             f'--out_dir={out}'], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    cmd = [sys.executable, os.path.join(HERE, 'prepare.py'), *args, f'--out_dir={out}']
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     deadline = time.time() + 60
     while not (out / 'train.bin.tmp').exists() or (out / 'train.bin.tmp').stat().st_size == 0:
         assert proc.poll() is None and time.time() < deadline, 'finished before interrupted'
         time.sleep(0.005)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    # really killed mid-encode
     assert not (out / 'meta.json').exists() and not (out / 'train.bin').exists()
-    assert prepare_cli(*args, f'--out_dir={out}').returncode == 0
+    assert prepare.main([*args, f'--out_dir={out}']) == 0
     snapshot = lambda d: {n: (d / n).read_bytes() for n in sorted(os.listdir(d))}  # noqa: E731
     assert snapshot(out) == snapshot(tmp_path / 'a')
-    meta, docs, pairs = read_folder(str(out))
+    meta, docs, pairs = read_folder(out)
     assert meta['train_docs'] + meta['val_docs'] == 24 * 90 and pairs['train'] and pairs['val']
 
 
 FIXTURE_PY = '''\
-import functools
-
-
 @functools.cache
 def area(r):
     """Area of a circle
@@ -103,7 +107,6 @@ def area(r):
     """
     return 3.14159 * r * r
 
-
 class Stack:
     """A last-in first-out stack."""
 
@@ -111,9 +114,7 @@ class Stack:
         """Put x on top."""
         self.items.append(x)
 
-
 def inline(): """Docstring on the def line."""
-
 
 def plain(x):
     return x
@@ -138,26 +139,30 @@ def test_docstring_and_ict_pairs():
     assert len(pairs) == 1 and pairs == ict_pairs(text, 'doc')
     query, target = pairs[0]
     assert query in sentences[:6] and query not in target
-    assert ('\n\n' in target or query == sentences[3])
+    assert '\n\n' in target or query == sentences[3]
     assert target.split() == ' '.join(s for s in sentences[:6] if s != query).split()
     assert ict_pairs('Too short. Only two.', 'x') == []
 
 
-def test_text_dataset_pairs(tmp_path, stdlib_dir):
-    """A folder (binary files skipped) or a glob becomes documents with their docstring or ICT
-    pairs."""
+def test_text_dataset_pairs(tmp_path, stdlib_dir, capsys):
+    """A folder (binary files skipped, bytes not UTF-8 read as U+FFFD) or a glob becomes documents
+    with their docstring or ICT pairs; a prepared folder inside its input is not read back."""
     (tmp_path / 'src').mkdir()
     for i in range(12):
         (tmp_path / f'src/mod{i}.py').write_text(FIXTURE_PY.replace('Stack', f'Stack{i}'))
         (tmp_path / f'src/notes{i}.txt').write_text(prose(random.Random(i), 14))
     (tmp_path / 'src/blob.bin').write_bytes(b'\0\1\2' * 100)
+    (tmp_path / 'src/latin1.md').write_bytes('déjà vu, naïve café\n'.encode('latin-1'))
     tok = f'--tokenizer={stdlib_dir}/tokenizer.model'
-    assert prepare.main(['text', f'--input={tmp_path}/src', '--pairs=docstring', tok,
-                         f'--out_dir={tmp_path}/d']) == 0
-    meta, docs, pairs = read_folder(tmp_path / 'd')
-    assert meta['train_docs'] + meta['val_docs'] == 24
+    args = ['text', f'--input={tmp_path}/src', '--pairs=docstring', tok,
+            f'--out_dir={tmp_path}/src/d']
+    assert prepare.main(args) == 0
+    meta, docs, pairs = read_folder(tmp_path / 'src/d')
+    assert meta['train_docs'] + meta['val_docs'] == 25
+    assert 'd\ufffdj\ufffd vu, na\ufffdve caf\ufffd\n' in docs['train'] + docs['val']
     assert sorted((p['query'], p['target']) for s in pairs for p in pairs[s]) == sorted(
         p for i in range(12) for p in docstring_pairs(FIXTURE_PY.replace('Stack', f'Stack{i}')))
+    assert prepare.main(args) == 0 and 'up to date' in capsys.readouterr().out
     assert prepare.main(['text', f'--input={tmp_path}/src/*.txt', '--pairs=ict', tok,
                          f'--out_dir={tmp_path}/i']) == 0
     meta, docs, pairs = read_folder(tmp_path / 'i')
@@ -168,21 +173,6 @@ def test_text_dataset_pairs(tmp_path, stdlib_dir):
         assert [(p['query'], p['target']) for p in pairs[s]] == want
 
 
-def test_tokenizer_training_reads_only_its_sample_and_is_deterministic(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare, 'TOKENIZER_SAMPLE', 20_000)
-    pulled = []
-
-    def documents():
-        rng = random.Random(0)
-        for i in range(100_000):
-            pulled.append(i)
-            yield 'train' if i % 10 else 'val', str(i), prose(rng, 10), None
-    prepare.train_tokenizer(documents, 2, 400, tmp_path / 'a.model')
-    assert 40 < len(pulled) < 400  # ~20 kB of every other training document, not the whole stream
-    prepare.train_tokenizer(documents, 2, 400, tmp_path / 'b.model')
-    assert (tmp_path / 'a.model').read_bytes() == (tmp_path / 'b.model').read_bytes()
-
-
 def test_tiktoken_tokenizer_or_clear_offline_error(tmp_path, capsys):
     for i in range(10):
         (tmp_path / f'{i}.txt').write_text(f'Hello world {i}. ' * 50)
@@ -191,8 +181,7 @@ def test_tiktoken_tokenizer_or_clear_offline_error(tmp_path, capsys):
     if code == 0:  # online, or the vocabulary is cached
         meta, docs, _ = read_folder(tmp_path / 'out')
         assert meta['tokenizer'] == {'kind': 'tiktoken', 'name': 'gpt2'}
-        assert meta['vocab_size'] == 50257
-        assert not (tmp_path / 'out/tokenizer.model').exists()
+        assert meta['vocab_size'] == 50257 and not (tmp_path / 'out/tokenizer.model').exists()
     else:
         assert code == 2 and len(err.strip().splitlines()) == 1 and 'gpt2' in err
 
@@ -200,42 +189,39 @@ def test_tiktoken_tokenizer_or_clear_offline_error(tmp_path, capsys):
 def test_hub_text_datasets(tmp_path, hub):
     """TinyStories downloads into --download_dir (--max_docs cuts train only); TinyStories-Instruct,
     found through $HF_ENDPOINT, keeps the stories and pairs each Summary with its story."""
-    r = hub_cli(tmp_path, 'tinystories', f'--hub_url={hub["url"]}', '--max_docs=30')
+    r = hub_cli(tmp_path, 'tinystories', f'--hub_url={hub.url}', '--max_docs=30')
     assert r.returncode == 0, r.stderr
-    train_txt = '/datasets/roneneldan/TinyStories/resolve/main/TinyStories-train.txt'
-    assert ('HEAD', train_txt) in hub['served']
-    assert (tmp_path / 'downloads/TinyStories/TinyStories-train.txt').read_bytes() == \
-        hub['files']['roneneldan/TinyStories/TinyStories-train.txt']
+    name = 'TinyStories/TinyStories-train.txt'
+    assert (tmp_path / 'downloads' / name).read_bytes() == hub.files[f'roneneldan/{name}']
     meta, docs, _ = read_folder(tmp_path / 'data/tinystories')
-    assert docs['train'] == hub['stories'][:30] and docs['val'] == hub['stories'][40:]
+    assert docs['train'] == hub.stories[:30] and docs['val'] == hub.stories[40:]
     assert meta['source']['repo'] == 'roneneldan/TinyStories'
-    r = hub_cli(tmp_path, 'tinystories-instruct', env={'HF_ENDPOINT': hub['url']})
+    r = hub_cli(tmp_path, 'tinystories-instruct', env={'HF_ENDPOINT': hub.url})
     assert r.returncode == 0, r.stderr
     meta, docs, pairs = read_folder(tmp_path / 'data/tinystories-instruct')
-    for split, records in (('train', hub['itrain']), ('val', hub['ivalid'])):
+    for split, records in (('train', hub.itrain), ('val', hub.ivalid)):
         assert docs[split] == [s for _, s, _ in records]
-        summaries = [(f[len('Summary: '):], s) for _, s,
-                     fields in records for f in fields if f.startswith('Summary:')]
+        summaries = [(f[len('Summary: '):], s)
+                     for _, s, fields in records for f in fields if f.startswith('Summary:')]
         assert [(p['query'], p['target']) for p in pairs[split]] == summaries
 
 
 def test_hub_parquet_shards(tmp_path, hub):
     """fineweb-edu reads only sample/10BT's shards, in order, stopping at --max_tokens; finemath its
     folder."""
-    r = hub_cli(tmp_path, 'fineweb-edu', f'--hub_url={hub["url"]}', '--pairs=ict',
-                '--max_tokens=6000')
+    r = hub_cli(tmp_path, 'fineweb-edu', f'--hub_url={hub.url}', '--pairs=ict', '--max_tokens=6000')
     assert r.returncode == 0, r.stderr
     meta, docs, pairs = read_folder(tmp_path / 'data/fineweb-edu')
-    texts, used = hub['shards'][0] + hub['shards'][1], docs['train'] + docs['val']
+    texts, used = hub.shards[0] + hub.shards[1], docs['train'] + docs['val']
     assert set(used) < set(texts) and sorted(used, key=texts.index) == texts[:len(used)]
     assert len(used) > 30
     last = len(Tokenizer.from_dir(tmp_path / 'data/fineweb-edu').encode(docs['train'][-1])) + 2
     assert meta['train_tokens'] >= 6000 > meta['train_tokens'] - last and meta['dtype'] == 'uint16'
     assert pairs['train'] and all(p['query'] not in p['target'] for p in pairs['train'])
-    r = hub_cli(tmp_path, 'finemath', f'--hub_url={hub["url"]}')
+    r = hub_cli(tmp_path, 'finemath', f'--hub_url={hub.url}')
     assert r.returncode == 0, r.stderr
     meta, docs, pairs = read_folder(tmp_path / 'data/finemath')
-    assert sorted(docs['train'] + docs['val']) == sorted(hub['shards'][1]) and not pairs
+    assert sorted(docs['train'] + docs['val']) == sorted(hub.shards[1]) and not pairs
     assert meta['vocab_size'] <= 400 and meta['source']['folder'] == 'finemath-4plus'
 
 
@@ -254,14 +240,45 @@ def test_hub_unreachable_says_what_to_download(tmp_path, hub):
         assert f'{dead}/datasets/roneneldan/TinyStories/resolve/main/{name}' in r.stderr
         assert str(wanted) in r.stderr
         wanted.parent.mkdir(parents=True, exist_ok=True)
-        wanted.write_bytes(hub['files'][f'roneneldan/TinyStories/{name}'])
+        wanted.write_bytes(hub.files[f'roneneldan/TinyStories/{name}'])
     r = hub_cli(tmp_path, 'tinystories', f'--hub_url={dead}')
     assert r.returncode == 0, r.stderr
-    assert read_folder(tmp_path / 'data/tinystories')[1]['val'] == hub['stories'][40:]
+    assert read_folder(tmp_path / 'data/tinystories')[1]['val'] == hub.stories[40:]
     r = hub_cli(tmp_path, 'tinystories', f'--hub_url={dead}')
     assert r.returncode == 0 and 'up to date' in r.stdout
     r = hub_cli(tmp_path, 'fineweb-edu', f'--hub_url={dead}')
     assert r.returncode == 2 and r.stderr.count('\n') == 1 and 'sample/10BT' in r.stderr
+
+
+@pytest.mark.parametrize('n_files', [1, 12])
+def test_small_corpus_gets_a_val_split(n_files, tmp_path, capsys):
+    """Even one file prepares into a train and a val split that train.py can use, announcing that it
+    yields fewer pieces than --vocab_size; a corpus too small is refused."""
+    (tmp_path / 'src').mkdir()
+    for i in range(n_files):
+        code = ''.join(f"def f{i}_{j}(x):\n    return x + {j}\n\n" for j in range(40))
+        (tmp_path / f'src/m{i}.py').write_text(code)
+    assert prepare.main(['text', f'--input={tmp_path}/src', f'--out_dir={tmp_path}/data',
+                         '--vocab_size=100000']) == 0
+    warnings = [w for w in capsys.readouterr().err.splitlines() if w.startswith('warning: ')]
+    assert len(warnings) == 1 and 'vocab_size' in warnings[0], warnings
+    meta, docs, _ = read_folder(tmp_path / 'data')
+    assert meta['val_tokens'] > 0 and meta['train_tokens'] > meta['val_tokens']
+    if n_files == 1:  # val is the last tenth of its 120 lines
+        assert docs['val'] == [''.join(code.splitlines(True)[-12:])]
+    assert train_run(tmp_path / 'data', tmp_path / 'out', '--n_ctx=16', '--max_iters=2',
+                     '--eval_interval=2') == 0
+    (tmp_path / 'src/tiny.txt').write_text('x')
+    argv = ['text', f'--input={tmp_path}/src/tiny.txt', f'--out_dir={tmp_path}/data']
+    refused(capsys, 'prepare', argv, 'too small', keep=[tmp_path / 'data'])
+
+
+def test_a_failed_prepare_leaves_no_temporary_files(tmp_path, capsys):
+    (tmp_path / 'a.txt').write_text('some text\n' * 50)
+    (tmp_path / 'garbage.model').write_bytes(b'not a tokenizer')
+    refused(capsys, 'prepare', ['text', f'--input={tmp_path}/a.txt', f'--out_dir={tmp_path}/d',
+                                f'--tokenizer={tmp_path}/garbage.model'], 'garbage.model')
+    assert os.listdir(tmp_path / 'd') == []
 
 
 def read_folder(out):
@@ -269,15 +286,12 @@ def read_folder(out):
     BOS ... EOS at its recorded offset, every count and id agrees."""
     meta = json.load(open(os.path.join(out, 'meta.json')))
     assert meta['dtype'] == ('uint16' if meta['vocab_size'] < 65536 else 'uint32')
-    tok, keys = Tokenizer.from_dir(out), ('vocab_size', 'bos_id', 'eos_id', 'pad_id')
-    assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == tuple(meta[k] for k in keys)
-    assert all(isinstance(meta[k], int) for k in keys)
+    tok = Tokenizer.from_dir(out)
+    for k in ('vocab_size', 'bos_id', 'eos_id', 'pad_id'):
+        assert isinstance(meta[k], int) and getattr(tok, k) == meta[k]
     docs, pairs = {}, {}
     for s in ('train', 'val'):
-        # np.memmap refuses empty files (a tiny corpus may have no val)
-        path = os.path.join(out, f'{s}.bin')
-        ids = np.memmap(path, dtype=meta['dtype'],
-                        mode='r') if os.path.getsize(path) else np.zeros(0, meta['dtype'])
+        ids = np.fromfile(os.path.join(out, f'{s}.bin'), dtype=meta['dtype'])
         starts = np.load(os.path.join(out, f'{s}_docs.npy'))
         assert starts.dtype == np.int64 and len(ids) == meta[f'{s}_tokens']
         assert len(starts) == meta[f'{s}_docs']
@@ -287,11 +301,11 @@ def read_folder(out):
             assert np.all(ids[starts] == meta['bos_id']) and np.all(ids[ends - 1] == meta['eos_id'])
         docs[s] = [tok.decode(ids[a:b]) for a, b in zip(starts, ends)]
         if f'n_pairs_{s}' in meta:
-            pairs[s] = [json.loads(line) for line in open(os.path.join(out, f'pairs_{s}.jsonl'),
-                                                          encoding='utf-8')]
+            with open(os.path.join(out, f'pairs_{s}.jsonl'), encoding='utf-8') as f:
+                pairs[s] = [json.loads(line) for line in f]
             assert len(pairs[s]) == meta[f'n_pairs_{s}']
-            assert all(set(p) == {'query',
-                                  'target'} and p['query'] and p['target'] for p in pairs[s])
+            assert all(set(p) == {'query', 'target'} and p['query'] and p['target']
+                       for p in pairs[s])
     return meta, docs, pairs
 
 
@@ -307,17 +321,8 @@ PROSE_WORDS = ('the a cat dog sun moon tree river small big red green happy quie
 
 
 def prose(rng, sentences):
-    return ' '.join(' '.join(rng.choices(PROSE_WORDS,
-                                         k=rng.randint(4, 12))).capitalize() + rng.choice('.!?')
-                    for _ in range(sentences))
-
-
-def prepare_cli(*argv, env=None, cwd=None):
-    """Run `python prepare.py ...` exactly as a user does."""
-    env = {**{k: v for k, v in os.environ.items() if k not in ('HF_ENDPOINT', 'HF_HUB_OFFLINE')},
-           **(env or {})}
-    return subprocess.run([sys.executable, os.path.join(HERE, 'prepare.py'), *argv],
-                          capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+    return ' '.join(' '.join(rng.choices(PROSE_WORDS, k=rng.randint(4, 12))).capitalize()
+                    + rng.choice('.!?') for _ in range(sentences))
 
 
 def instruct(rng, n):
@@ -334,127 +339,70 @@ def instruct(rng, n):
     return records
 
 
+def parquet(texts):
+    buf = io.BytesIO()
+    pq.write_table(pa.table({'text': texts, 'id': [str(i) for i in range(len(texts))]}), buf)
+    return buf.getvalue()
+
+
 @pytest.fixture(scope='module')
 def hub():
-    """A stand-in for the Hugging Face hub on 127.0.0.1: the resolve/ and tree/ endpoints
-    huggingface_hub calls."""
+    """A stand-in for the Hugging Face hub on 127.0.0.1: the resolve/ (files) and tree/ (folder
+    listings) endpoints huggingface_hub calls."""
     rng = random.Random(1)
     stories = [prose(rng, 7) + '\n\n' + prose(rng, 4) for _ in range(46)]
     itrain, ivalid = instruct(rng, 40), instruct(rng, 8)
     shards = [[prose(rng, 12) for _ in range(30)] for _ in range(2)]
     eot = lambda docs: ''.join(d + '\n<|endoftext|>\n' for d in docs).encode()  # noqa: E731
-
-    def parquet(texts):
-        buf = io.BytesIO()
-        pq.write_table(pa.table({'text': texts, 'id': [str(i) for i in range(len(texts))]}), buf)
-        return buf.getvalue()
+    stories_repo, instruct_repo = 'roneneldan/TinyStories', 'roneneldan/TinyStoriesInstruct'
     files = {
-        'roneneldan/TinyStories/TinyStories-train.txt': eot(stories[:40]),
-        'roneneldan/TinyStories/TinyStories-valid.txt': eot(stories[40:]),
-        'roneneldan/TinyStoriesInstruct/TinyStories-Instruct-train.txt':
-            eot(r for r, _, _ in itrain),
-        'roneneldan/TinyStoriesInstruct/TinyStories-Instruct-valid.txt':
-            eot(r for r, _, _ in ivalid),
+        f'{stories_repo}/TinyStories-train.txt': eot(stories[:40]),
+        f'{stories_repo}/TinyStories-valid.txt': eot(stories[40:]),
+        f'{instruct_repo}/TinyStories-Instruct-train.txt': eot(r for r, _, _ in itrain),
+        f'{instruct_repo}/TinyStories-Instruct-valid.txt': eot(r for r, _, _ in ivalid),
         'HuggingFaceFW/fineweb-edu/sample/10BT/000_00000.parquet': parquet(shards[0]),
         'HuggingFaceFW/fineweb-edu/sample/10BT/001_00000.parquet': parquet(shards[1]),
-        'HuggingFaceFW/fineweb-edu/data/CC-MAIN-2024-10/000_00000.parquet':
-            parquet(['not in the sample']),
+        'HuggingFaceFW/fineweb-edu/data/CC-MAIN-2024-10/000_00000.parquet': parquet(['not in it']),
         'HuggingFaceTB/finemath/finemath-4plus/train-00000-of-00064.parquet': parquet(shards[1])}
-    served = []
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_HEAD(self):
-            self.do_GET(body=False)
-
-        def do_GET(self, body=True):
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
             path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
-            served.append((self.command, path))
-            resolve = re.fullmatch(r'/datasets/([^/]+/[^/]+)/resolve/main/(.+)', path)
-            tree = re.fullmatch(r'/api/datasets/([^/]+/[^/]+)/tree/main/?(.*)', path)
-            if resolve and f'{resolve[1]}/{resolve[2]}' in files:
-                data = files[f'{resolve[1]}/{resolve[2]}']
+            resolve = re.fullmatch(r'/datasets/(\w+/[\w-]+)/resolve/main/(.+)', path)
+            tree = re.fullmatch(r'/api/datasets/(\w+/[\w-]+)/tree/main/(.+)', path)
+            if resolve and '/'.join(resolve.groups()) in files:
+                data = files['/'.join(resolve.groups())]
                 headers = {'ETag': f'"{hashlib.sha256(data).hexdigest()}"',
-                           'X-Repo-Commit': 'c0ffee' * 6 + 'abcd',
-                           'Content-Type': 'application/octet-stream'}
-            elif tree:
-                prefix = f'{tree[1]}/{tree[2]}/'.replace('//', '/')
-                data = json.dumps([{'type': 'file', 'path': k[len(tree[1]) + 1:], 'size': len(v),
-                                    'oid': hashlib.sha1(v).hexdigest()} for k, v in files.items()
-                                   if k.startswith(prefix) and '/' not in k[len(prefix):]]).encode()
-                headers = {'Content-Type': 'application/json'}
+                           'X-Repo-Commit': 'c0ffee' * 6 + 'abcd'}
+            elif tree:  # the files directly in the folder
+                repo, folder = tree[1], '/'.join(tree.groups()).rstrip('/')
+                data = json.dumps([{'type': 'file', 'path': k[len(repo) + 1:], 'size': len(v),
+                                    'oid': hashlib.sha1(v).hexdigest()}
+                                   for k, v in files.items() if os.path.dirname(k) == folder])
+                data, headers = data.encode(), {'Content-Type': 'application/json'}
             else:
-                data, headers = b'not found', {'X-Error-Code': 'EntryNotFound'}
-            self.send_response(200 if 'Content-Type' in headers else 404)
+                return self.send_error(404)
+            self.send_response(200)
             for k, v in {**headers, 'Content-Length': str(len(data))}.items():
                 self.send_header(k, v)
             self.end_headers()
-            if body:
+            if self.command == 'GET':
                 self.wfile.write(data)
 
-        def log_message(self, *args):
-            pass
+        do_HEAD = do_GET
 
-    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
+    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Hub)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield dict(url=f'http://127.0.0.1:{server.server_port}', served=served, files=files,
-               stories=stories, itrain=itrain, ivalid=ivalid, shards=shards)
+    yield types.SimpleNamespace(url=f'http://127.0.0.1:{server.server_port}', files=files,
+                                stories=stories, itrain=itrain, ivalid=ivalid, shards=shards)
     server.shutdown()
 
 
 def hub_cli(tmp_path, *argv, env=None):
-    env = {'HF_HOME': str(tmp_path / 'hf_home'), 'NO_PROXY': '127.0.0.1', 'no_proxy': '127.0.0.1',
+    """`python prepare.py ...` as a user runs it, with its own hub cache."""
+    env = {**{k: v for k, v in os.environ.items() if k not in ('HF_ENDPOINT', 'HF_HUB_OFFLINE')},
+           'HF_HOME': str(tmp_path / 'hf_home'), 'NO_PROXY': '127.0.0.1', 'no_proxy': '127.0.0.1',
            **(env or {})}
-    return prepare_cli(*argv, f'--download_dir={tmp_path}/downloads', '--vocab_size=400',
-                       cwd=tmp_path, env=env)
-
-
-@pytest.mark.parametrize('n_files', [1, 12])
-def test_small_corpus_gets_a_val_split(n_files, tmp_path, capsys):
-    """Even one file prepares into a train and a val split that train.py can use; a corpus too small
-    is refused."""
-    (tmp_path / 'src').mkdir()
-    for i in range(n_files):
-        code = ''.join(f"def f{i}_{j}(x):\n    return x + {j}\n\n" for j in range(40))
-        (tmp_path / f'src/m{i}.py').write_text(code)
-    assert prepare.main(['text', f'--input={tmp_path}/src', f'--out_dir={tmp_path}/data',
-                         '--vocab_size=300']) == 0
-    meta, docs, _ = read_folder(tmp_path / 'data')
-    assert meta['val_tokens'] > 0 and meta['train_tokens'] > meta['val_tokens']
-    if n_files == 1:  # val is the last tenth of its 120 lines
-        assert docs['val'] == [''.join(code.splitlines(True)[-12:])]
-    assert train_run(tmp_path / 'data', tmp_path / 'out', '--n_ctx=16', '--max_iters=2',
-                     '--eval_interval=2') == 0
-    (tmp_path / 'src/tiny.txt').write_text('x')
-    refused(capsys, 'prepare',
-            ['text', f'--input={tmp_path}/src/tiny.txt', f'--out_dir={tmp_path}/data'], 'too small',
-            keep=[tmp_path / 'data'])
-
-
-def test_a_smaller_vocabulary_is_announced_and_bytes_not_utf8_become_fffd(tmp_path, capsys):
-    (tmp_path / 'src').mkdir()
-    for i in range(3):
-        (tmp_path / f'src/{i}.txt').write_text(f'plain text number {i}, ' * 200)
-    (tmp_path / 'src/latin1.txt').write_bytes('déjà vu, naïve café\n'.encode('latin-1') * 50)
-    assert prepare.main(['text', f'--input={tmp_path}/src', '--vocab_size=100000',
-                         f'--out_dir={tmp_path}/d']) == 0
-    warnings = [line for line in capsys.readouterr().err.splitlines()
-                if line.startswith('warning: ')]
-    assert len(warnings) == 1 and 'vocab_size' in warnings[0], warnings
-    _, docs, _ = read_folder(tmp_path / 'd')
-    assert 'd\ufffdj\ufffd vu, na\ufffdve caf\ufffd\n' * 50 in docs['train'] + docs['val']
-
-
-def test_leftovers_are_cleaned_up(data, tmp_path, capsys):
-    """A failed prepare leaves no temporary files; a prepared folder inside its own input is not
-    read back as new input."""
-    (tmp_path / 'garbage.model').write_bytes(b'not a tokenizer')
-    refused(capsys, 'prepare', ['text', f'--input={data}/../corpus.txt',
-                                f'--tokenizer={tmp_path}/garbage.model', f'--out_dir={tmp_path}/d'],
-            'garbage.model', keep=[os.path.dirname(data)])
-    assert not [n for n in os.listdir(tmp_path / 'd') if '.tmp' in n]
-    (tmp_path / 'src').mkdir()
-    for i in range(20):
-        (tmp_path / f'src/{i}.py').write_text(f"def f{i}(x):\n    return x + {i}\n" * 20)
-    args = ['text', f'--input={tmp_path}/src', f'--out_dir={tmp_path}/src/data', '--vocab_size=300']
-    assert prepare.main(args) == 0
-    assert prepare.main(args) == 0 and 'up to date' in capsys.readouterr().out
+    return subprocess.run([sys.executable, os.path.join(HERE, 'prepare.py'), *argv,
+                           f'--download_dir={tmp_path}/downloads', '--vocab_size=400'],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
