@@ -98,7 +98,6 @@ REFUSALS = [
     # a typo is answered with the key meant
     ('train', ['--max_iter=3'], '--max_iters'),
     *[('train', [*TRAIN, f'--{k}={v}'], k) for k, v in [('max_iters', -1), ('eval_iters', 0)]],
-    ('train', [*TRAIN, '--device=gpu0'], 'gpu0'),
     ('sample', [*SAMPLE, '--temperature=-1'], 'temperature'),
     ('sample', [*SAMPLE, '--method=beam'], 'beam'),
     ('prepare', ['wikipedia', OUT], 'wikipedia'),
