@@ -66,8 +66,7 @@ MODEL_KEYS = [f.name for f in fields(ModelConfig) if f.name != 'vocab_size']
 
 
 def check_loop(cfg, resume=None):
-    """The loop keys that would hang or mislead (train.py's and retrieve.py's runs), and a resumed
-    run whose budget is spent (it would only evaluate again), before any work."""
+    """Refuse loop keys that would hang or mislead, and a resumed run whose budget is spent."""
     assert cfg['max_iters'] >= 0 and cfg['max_time'] >= 0, "--max_iters and --max_time are >= 0"
     assert cfg['max_iters'] or cfg['max_time'], "no budget: set --max_iters and/or --max_time (s)"
     assert cfg['eval_iters'] >= 1, f"--eval_iters={cfg['eval_iters']}: evaluate on 1 batch or more"
@@ -78,20 +77,17 @@ def check_loop(cfg, resume=None):
 
 # ----------------------------------------------------------------------------- device, dtype, DDP
 
-# Dense bf16/fp16 tensor-core peaks from NVIDIA datasheets (TFLOP/s, first match in this order);
-# other GPUs, CPUs and float32 are measured (peak_flops).
+# Dense bf16/fp16 peaks from NVIDIA datasheets (TFLOP/s, first match); the rest is measured.
 GPU_PEAK_TFLOPS = {'H200': 989, 'H100 PCIe': 756, 'H100': 989, 'A100': 312, 'L40S': 362,
                    'V100': 125}
 NO_BF16_ENV = 'NANOMIXER_NO_BF16'  # set: act as a CPU without native bf16 (tests the fallback)
 
 
 def choose_dtype(device, requested='auto', recorded=None, reading=False):
-    """The one dtype rule, as (torch dtype, why). An explicit --dtype is used as asked (bf16 that
-    this CPU would emulate, hundreds of times slower, is warned). auto: a resumed run keeps the
-    dtype it `recorded` where this device runs it natively; a new run takes bf16 on a GPU that
-    has it (else fp16, with a GradScaler), bf16 on a CPU with native bf16 (AVX512-BF16, AMX),
-    else float32. Reading a checkpoint (reading=True: sample.py, retrieve.py) is float32 on a CPU
-    and the recorded dtype on CUDA."""
+    """The one dtype rule, as (torch dtype, why): an explicit --dtype as asked (warned if emulated,
+    hundreds of times slower); auto keeps the dtype a resumed run `recorded` where it is native,
+    else bf16 where native (CPUs with AVX512-BF16 or AMX), fp16 on older GPUs, float32 on other
+    CPUs. Reading a checkpoint (sample.py, retrieve.py) is float32 on a CPU."""
     cuda = device.type == 'cuda'
     cpu_native = torch.ops.mkldnn._is_mkldnn_bf16_supported() and not os.environ.get(NO_BF16_ENV)
     native = dict(float32=True, float16=cuda,
@@ -182,9 +178,8 @@ def rank_pieces(grad_accum, batch_size, world, rank):
 
 
 class Runtime:
-    """Where this process trains: device, autocast dtype (and why), DDP rank and world size;
-    recorded: the dtype name of the run being resumed, kept under --dtype=auto. Seeds torch.
-    Refuses a device or a batch the ranks cannot use; the process group starts in fit."""
+    """Where this process trains: device, dtype (recorded: a resumed run's), DDP rank and world
+    size. Refuses a device or a batch the ranks cannot use; the process group starts in fit."""
 
     def __init__(self, cfg, recorded=None):
         self.distributed = 'RANK' in os.environ  # torchrun: a process group and DDP, even for one
@@ -197,7 +192,7 @@ class Runtime:
         self.backend = 'nccl' if self.device.type == 'cuda' else 'gloo'
         if self.device.type == 'cuda':
             if self.distributed:
-                self.device = torch.device('cuda', int(os.environ['LOCAL_RANK']))
+                self.device = torch.device('cuda', int(os.environ.get('LOCAL_RANK', 0)))
             torch.cuda.set_device(self.device)
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         torch.manual_seed(cfg['seed'])  # identical initial weights on every rank
@@ -241,16 +236,14 @@ def budget_used(cfg, step, train_time):
 
 
 def time_left(cfg, step, train_time, s_per_step):
-    """Training time left (evaluation excluded), whole seconds: the step or time budget, whichever
-    ends first, steps at the last interval's pace."""
+    """Training time left, whole seconds: steps at the last interval's pace, or max_time."""
     left = [(cfg['max_iters'] - step) * s_per_step] if cfg['max_iters'] else []
     left += [cfg['max_time'] - train_time] if cfg['max_time'] else []
     return timedelta(seconds=int(max(min(left), 0)))
 
 
 def report(log, line, **record):
-    """Rank 0 (log: the path of log.jsonl, else None) prints line and appends record to the log as
-    a JSON line (NaN and inf, which JSON lacks, as null)."""
+    """On rank 0 (log: log.jsonl's path) print line, append record as JSON (NaN and inf: null)."""
     if log:
         print(line)
         with open(log, 'a') as f:
