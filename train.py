@@ -399,8 +399,8 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
             loss_sum.zero_()
             logged_step, logged_tokens, logged_time = step, tokens_seen, train_time
     if diverged and master:
-        ckpt = os.path.join(out_dir, 'ckpt.pt')
-        last = f"{ckpt} (step {saved})" if saved is not None else "none (nothing was saved)"
+        path = os.path.join(out_dir, 'ckpt.pt')
+        last = f"{path} (step {saved})" if saved is not None else "none (nothing was saved)"
         print(f"error: {diverged} at step {step}: training stopped; the last good checkpoint is "
               f"{last}. Lower --lr or keep --grad_clip on", file=sys.stderr)
     if runtime.distributed:  # rank 0 may still be writing the checkpoint: leave together
