@@ -2,22 +2,18 @@
 Train a nanomixer model: one loop for every arch and objective, on one device or a DDP node.
 
   python train.py config/demo.py                    # the CPU demo (the defaults are GPU-sized)
-  python train.py --init_from=resume --out_dir=out  # continue out/ckpt.pt exactly
+  python train.py --init_from=resume --out_dir=out  # continue out/ckpt.pt exactly (flags win)
   torchrun --standalone --nproc_per_node=4 train.py config/fineweb_mixer.py     # one node
 
-A step averages grad_accum micro-batches of batch_size sequences whatever the number of processes
-(rank_pieces), and micro-batch j of step s is a pure function of (seed, split, s, j): a preset is
-the same experiment on 1 GPU or 8, and a resumed run ends bit-identical (no model has dropout).
-A resume takes the run's keys from its checkpoint; a flag given with it wins (a model key must
-agree with the checkpoint).
-The run stops at max_iters steps or max_time seconds of training, whichever comes first; the
-learning rate decays as that budget is used. --dtype=auto picks bf16 where the hardware has it
-natively, else float32 (fp16 on old GPUs); the checkpoint records it and a resume keeps it.
-out_dir gets ckpt.pt (last), best.pt (lowest val loss) and log.jsonl (one JSON object per line).
+A step averages grad_accum micro-batches of batch_size sequences whatever the number of processes,
+and each micro-batch is a pure function of (seed, split, step, micro): a preset is the same
+experiment on 1 GPU or 8, and a resumed run ends bit-identical. The run stops at max_iters steps
+or max_time seconds of training, whichever comes first; the learning rate decays as that budget is
+used. out_dir gets ckpt.pt (last), best.pt (lowest val loss) and log.jsonl (a JSON object a line).
 """
 import functools, json, math, os, sys, time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from datetime import timedelta
 from pathlib import Path
 
@@ -70,34 +66,28 @@ MODEL_KEYS = [f.name for f in fields(ModelConfig) if f.name != 'vocab_size']
 
 
 def check_loop(cfg, resume=None):
-    """The loop keys that would hang or mislead (train.py's and retrieve.py's runs), and a resumed
-    run whose budget is spent (it would only evaluate again), before any work."""
+    """Refuse loop keys that would hang or mislead, and a resumed run whose budget is spent."""
     assert cfg['max_iters'] >= 0 and cfg['max_time'] >= 0, "--max_iters and --max_time are >= 0"
     assert cfg['max_iters'] or cfg['max_time'], "no budget: set --max_iters and/or --max_time (s)"
     assert cfg['eval_iters'] >= 1, f"--eval_iters={cfg['eval_iters']}: evaluate on 1 batch or more"
     if resume and budget_used(cfg, resume['step'], resume['train_time']) >= 1:
-        raise ValueError(f"the run in {cfg['out_dir']} has spent its budget (step {resume['step']} "
-                         f"of max_iters={cfg['max_iters']}, {resume['train_time']:.0f} s of "
-                         f"max_time={cfg['max_time']:g}): to train on, raise --max_iters or "
-                         f"--max_time")
+        raise ValueError(f"the run in {cfg['out_dir']} has spent its budget (step {resume['step']}"
+                         f"): to train on, raise --max_iters or --max_time")
 
 
 # ----------------------------------------------------------------------------- device, dtype, DDP
 
-# Dense bf16/fp16 tensor-core peaks from NVIDIA datasheets (TFLOP/s, first match in this order);
-# other GPUs, CPUs and float32 are measured (peak_flops).
+# Dense bf16/fp16 peaks from NVIDIA datasheets (TFLOP/s, first match); the rest is measured.
 GPU_PEAK_TFLOPS = {'H200': 989, 'H100 PCIe': 756, 'H100': 989, 'A100': 312, 'L40S': 362,
                    'V100': 125}
 NO_BF16_ENV = 'NANOMIXER_NO_BF16'  # set: act as a CPU without native bf16 (tests the fallback)
 
 
 def choose_dtype(device, requested='auto', recorded=None, reading=False):
-    """The one dtype rule, as (torch dtype, why). An explicit --dtype is used as asked (bf16 that
-    this CPU would emulate, hundreds of times slower, is warned). auto: a resumed run keeps the
-    dtype it `recorded` where this device runs it natively; a new run takes bf16 on a GPU that
-    has it (else fp16, with a GradScaler), bf16 on a CPU with native bf16 (AVX512-BF16, AMX),
-    else float32. Reading a checkpoint (reading=True: sample.py, retrieve.py) is float32 on a CPU
-    and the recorded dtype on CUDA."""
+    """The one dtype rule, as (torch dtype, why): an explicit --dtype as asked (warned if emulated,
+    hundreds of times slower); auto keeps the dtype a resumed run `recorded` where it is native,
+    else bf16 where native (CPUs with AVX512-BF16 or AMX), fp16 on older GPUs, float32 on other
+    CPUs. Reading a checkpoint (sample.py, retrieve.py) is float32 on a CPU."""
     cuda = device.type == 'cuda'
     cpu_native = torch.ops.mkldnn._is_mkldnn_bf16_supported() and not os.environ.get(NO_BF16_ENV)
     native = dict(float32=True, float16=cuda,
@@ -123,11 +113,7 @@ def resolve_device(name):
     """'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or 'cuda:N' as a torch.device."""
     if name == 'auto':
         name = 'cuda' if torch.cuda.is_available() else 'cpu'
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device={name} is not a torch device: use auto, cpu, cuda or cuda:N") \
-            from None
+    device = torch.device(name)
     if device.type == 'cuda' and not torch.cuda.is_available():
         raise ValueError(f"--device={name} but no CUDA GPU is visible: use --device=cpu (or auto)")
     if device.type == 'cuda' and device.index is None:  # some CUDA calls (memory limits) need one
@@ -142,11 +128,10 @@ def autocast(device, dtype):
 
 @functools.cache
 def peak_flops(device, dtype, budget=0.25):
-    """MFU's denominator, its one definition (train.py's log and bench.py throughput): the
-    datasheet peak of a known GPU in bf16/fp16, else the best FLOP/s of a square matmul in dtype,
-    measured once per process: the size doubles from 128 (up to 4096) while the next fits in what
-    is left of `budget` seconds. On a CPU one thread is timed and scaled by the thread count:
-    small matmuls on several threads measure wake-ups, not arithmetic."""
+    """MFU's denominator (train.py's log, bench.py): the datasheet peak of a known GPU in bf16/fp16,
+    else the best FLOP/s of a square matmul in dtype, measured once per process, the size doubling
+    from 128 (to 4096) while the next fits in `budget` seconds. On a CPU one thread is timed and
+    scaled by the thread count: small matmuls on several threads measure wake-ups."""
     cuda = device.type == 'cuda'
     name = torch.cuda.get_device_name(device) if cuda else ''
     table = [v for k, v in GPU_PEAK_TFLOPS.items() if k in name and dtype != torch.float32]
@@ -179,18 +164,38 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-@dataclass
-class Runtime:
-    """Where this process trains: device, autocast dtype (and why), DDP rank and world size."""
-    device: torch.device
-    dtype: torch.dtype
-    why: str  # printed in the first log line
-    rank: int = 0
-    world: int = 1
-    distributed: bool = False  # launched by torchrun: a process group and DDP, even for one process
+def rank_pieces(grad_accum, batch_size, world, rank):
+    """This rank's share of a step, as (micro, shard, shards) triples: the grad_accum micro-batches
+    are dealt out to the ranks, each cut into `shards` equal row shards where the ranks outnumber
+    them (fit weighs a shard by its share of the real targets): the same step at any world size."""
+    shards = world // math.gcd(grad_accum, world)
+    if batch_size % shards:
+        raise ValueError(f"{world} processes cannot share grad_accum={grad_accum} x batch_size="
+                         f"{batch_size}: use a batch_size divisible by {shards} (or --grad_accum)")
+    per_rank = grad_accum * shards // world
+    return [(p // shards, p % shards, shards)
+            for p in range(rank * per_rank, (rank + 1) * per_rank)]
 
-    master = property(lambda self: self.rank == 0)  # the process that logs and saves
-    backend = property(lambda self: 'nccl' if self.device.type == 'cuda' else 'gloo')
+
+class Runtime:
+    """Where this process trains: device, dtype (recorded: a resumed run's), DDP rank and world
+    size. Refuses a device or a batch the ranks cannot use; the process group starts in fit."""
+
+    def __init__(self, cfg, recorded=None):
+        self.distributed = 'RANK' in os.environ  # torchrun: a process group and DDP, even for one
+        self.rank = int(os.environ.get('RANK', 0))
+        self.world = int(os.environ.get('WORLD_SIZE', 1))
+        self.master = self.rank == 0  # the process that logs and saves
+        rank_pieces(cfg['grad_accum'], cfg['batch_size'], self.world, self.rank)  # refuses early
+        self.device = resolve_device(cfg['device'])
+        self.dtype, self.why = choose_dtype(self.device, cfg['dtype'], recorded)
+        self.backend = 'nccl' if self.device.type == 'cuda' else 'gloo'
+        if self.device.type == 'cuda':
+            if self.distributed:
+                self.device = torch.device('cuda', int(os.environ.get('LOCAL_RANK', 0)))
+            torch.cuda.set_device(self.device)
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        torch.manual_seed(cfg['seed'])  # identical initial weights on every rank
 
     def describe(self):
         ddp = f", DDP over {self.backend}" if self.distributed else ''
@@ -201,37 +206,7 @@ class Runtime:
             dist.destroy_process_group()
 
 
-def rank_pieces(grad_accum, batch_size, world, rank):
-    """This rank's share of a step, as (micro, shard, shards) triples: the grad_accum
-    micro-batches are dealt out to the ranks, and where the ranks outnumber them each is cut into
-    `shards` equal row shards (fit weighs a shard's mean loss by its share of the micro-batch's
-    real targets); DDP averages the ranks: the same step whatever the world size."""
-    shards = world // math.gcd(grad_accum, world)
-    if batch_size % shards:
-        raise ValueError(f"{world} processes cannot share a step of grad_accum={grad_accum} x "
-                         f"batch_size={batch_size}: use a batch_size divisible by {shards}, or a "
-                         f"grad_accum divisible by {world}")
-    per_rank = grad_accum * shards // world
-    return [(p // shards, p % shards, shards)
-            for p in range(rank * per_rank, (rank + 1) * per_rank)]
-
-
-def setup_runtime(cfg, recorded=None):
-    """Device, DDP rank (when launched by torchrun) and AMP dtype (recorded: the dtype name of the
-    run being resumed, kept under --dtype=auto); seeds torch. Refuses a device or a batch the ranks
-    cannot use; the process group starts later, in fit, after every refusal."""
-    env = lambda key, default: int(os.environ.get(key, default))  # noqa: E731 (set by torchrun)
-    world, rank, local_rank = env('WORLD_SIZE', 1), env('RANK', 0), env('LOCAL_RANK', 0)
-    distributed = 'RANK' in os.environ
-    rank_pieces(cfg['grad_accum'], cfg['batch_size'], world, rank)  # refuses early
-    device = resolve_device(cfg['device'])
-    dtype, why = choose_dtype(device, cfg['dtype'], recorded)
-    if device.type == 'cuda':
-        device = torch.device('cuda', local_rank) if distributed else device
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    torch.manual_seed(cfg['seed'])  # identical initial weights on every rank
-    return Runtime(device, dtype, why, rank, world, distributed)
+setup_runtime = Runtime  # retrieve.py's name for it
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -255,10 +230,49 @@ def get_lr(cfg, step, progress):
 
 
 def budget_used(cfg, step, train_time):
-    """Fraction of the budget (check_loop: there is one) spent: the larger of the step and time
-    fractions."""
+    """The fraction of the budget spent: the larger of the step and time fractions."""
     steps = step / cfg['max_iters'] if cfg['max_iters'] else 0.0
     return max(steps, train_time / cfg['max_time'] if cfg['max_time'] else 0.0)
+
+
+def time_left(cfg, step, train_time, s_per_step):
+    """Training time left, whole seconds: steps at the last interval's pace, or max_time."""
+    left = [(cfg['max_iters'] - step) * s_per_step] if cfg['max_iters'] else []
+    left += [cfg['max_time'] - train_time] if cfg['max_time'] else []
+    return timedelta(seconds=int(max(min(left), 0)))
+
+
+def report(log, line, **record):
+    """On rank 0 (log: log.jsonl's path) print line, append record as JSON (NaN and inf: null)."""
+    if log:
+        print(line)
+        with open(log, 'a') as f:
+            f.write(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                                for k, v in record.items()}) + '\n')
+
+
+@torch.no_grad()
+def evaluate(cfg, runtime, model, get_batch, loss_fn):
+    """Mean loss over the eval_iters fixed batches of each split (shared out over the ranks)."""
+    model.eval()
+    out = {}
+    for split in SPLITS:
+        total = torch.zeros((), device=runtime.device, dtype=torch.float64)  # of the losses
+        for i in range(runtime.rank, cfg['eval_iters'], runtime.world):
+            with autocast(runtime.device, runtime.dtype):
+                batch = to_device(get_batch(split, None, i), runtime.device)
+                total += loss_fn(model, batch).double()
+        if runtime.distributed:
+            dist.all_reduce(total)
+        out[split] = total.item() / cfg['eval_iters']
+    model.train()
+    return out
+
+
+def to_device(batch, device):
+    pin = device.type == 'cuda'  # pinned: the copy does not wait for the GPU's queued work
+    return tuple(None if t is None else (t.pin_memory() if pin else t).to(device, non_blocking=pin)
+                 for t in batch)
 
 
 def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_token=None,
@@ -270,18 +284,16 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
     into every checkpoint; resume (a checkpoint dict) is continued exactly, else the run in out_dir
     (passed by check_run_dir) is replaced. real_targets(batch) -> how many targets loss_fn averages
     over where row shards differ (padded documents), else None. Under torchrun the ranks meet here.
-    Returns dict(step, tokens_seen, train_time, best_val, train_loss, val_loss, stopped), stopped
-    'budget' or 'diverged' (a non-finite loss: nothing more is saved, the last checkpoint stays)."""
+    Returns dict(step, train_time, best_val, val_loss, stopped): 'budget' or 'diverged' (a
+    non-finite loss: nothing more is saved, the last checkpoint stays)."""
     out_dir, device, master = cfg['out_dir'], runtime.device, runtime.master
-    log_path, ckpt_path = os.path.join(out_dir, 'log.jsonl'), os.path.join(out_dir, 'ckpt.pt')
+    log = os.path.join(out_dir, 'log.jsonl') if master else None
     if runtime.distributed and not dist.is_initialized():  # the ranks meet: none refuses after it
         dist.init_process_group(runtime.backend)
     if master and resume is None:  # a fresh run replaces the run check_run_dir let it replace
         for name in RUN_FILES:
-            if os.path.exists(os.path.join(out_dir, name)):
-                os.remove(os.path.join(out_dir, name))
+            Path(out_dir, name).unlink(missing_ok=True)
     raw = model.to(device)
-    ckpt_extra = {**ckpt_extra, 'dtype': str(runtime.dtype)[6:]}  # the run's dtype: resume keeps it
     optimizer = configure_optimizer(raw, cfg['lr'], cfg['weight_decay'])
     scaler = torch.amp.GradScaler(device.type, enabled=runtime.dtype == torch.float16)
     step, tokens_seen, train_time, best_val = 0, 0, 0.0, float('inf')
@@ -293,47 +305,43 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
         step, tokens_seen, train_time, best_val = (
             resume[k] for k in ('step', 'tokens_seen', 'train_time', 'best_val'))
         if master:
-            trim_log(log_path, step)
+            trim_log(log, step)
     net = torch.compile(raw) if cfg['compile'] else raw
-    ddp = net if not runtime.distributed else DDP(
-        net, device_ids=[device.index] if device.type == 'cuda' else None)
-    log = open(log_path, 'a') if master else None
+    ddp = DDP(net) if runtime.distributed else net  # on the device of the model's weights
     peak = peak_flops(device, runtime.dtype) if flops_per_token else None
     pieces = rank_pieces(cfg['grad_accum'], cfg['batch_size'], runtime.world, runtime.rank)
-    start, saved = step, step if resume is not None else None  # saved: the checkpoint's step
-    train_loss, val_loss, diverged = float('nan'), float('nan'), ''
+    saved = step if resume is not None else None  # the step of the last checkpoint
+    val_loss, diverged = float('nan'), ''
     loss_sum = torch.zeros((), device=device)  # of the micro-batch losses since the last log line
     logged_step, logged_tokens, logged_time = step, tokens_seen, train_time  # at the last log line
     began = time.perf_counter()  # wall clock of this process, evaluation included
+    every = cfg['eval_seconds']  # > 0: evaluate at marks of training time, not of steps
+    mark = lambda: train_time // every if every else step // cfg['eval_interval']  # noqa: E731
+    evaluated = mark() if resume is not None else -1  # the mark of the last evaluation
     raw.train()
-    every = cfg['eval_seconds']  # > 0: evaluate at marks of training time
-    next_eval = 0.0 if start == 0 or not every else (train_time // every + 1) * every
     while True:
         progress = budget_used(cfg, step, train_time)
-        due = (train_time >= next_eval if every else
-               step % cfg['eval_interval'] == 0 and (step > start or start == 0))
-        if progress >= 1 or due:
-            next_eval = (train_time // every + 1) * every if every else 0.0
+        if progress >= 1 or mark() > evaluated:
+            evaluated = mark()
             losses = evaluate(cfg, runtime, net, get_batch, loss_fn)
             train_loss, val_loss = losses['train'], losses['val']
-            write_log(log, step=step, train_loss=train_loss, val_loss=val_loss,
-                      tokens_seen=tokens_seen, time=round(train_time, 3))
             if not math.isfinite(train_loss + val_loss):
                 diverged = f"the evaluation loss is {losses}"
                 break
+            report(log, f"step {step}: train loss {train_loss:.4f}, val loss {val_loss:.4f}",
+                   step=step, train_loss=train_loss, val_loss=val_loss, tokens_seen=tokens_seen,
+                   time=round(train_time, 3))
             improved, best_val = val_loss < best_val, min(best_val, val_loss)
-            if master:
-                print(f"step {step}: train loss {train_loss:.4f}, val loss {val_loss:.4f}")
-                if step > 0:  # all the next step depends on: batches are keyed by step, no RNG
-                    ckpt = {**ckpt_extra, 'step': step, 'tokens_seen': tokens_seen,
-                            'train_time': train_time, 'best_val': best_val,
-                            'model': raw.state_dict(), 'config': cfg,
-                            'optimizer': optimizer.state_dict(),
-                            'scaler': scaler.state_dict() if scaler.is_enabled() else None}
-                    # best.pt first: a crash between the two leaves both whole
-                    for name in ('best.pt', 'ckpt.pt') if improved else ('ckpt.pt',):
-                        save_checkpoint(ckpt, os.path.join(out_dir, name))
-                    saved = step
+            if master and step > 0:  # all the next step depends on: batches are keyed by step
+                ckpt = {**ckpt_extra, 'step': step, 'tokens_seen': tokens_seen,
+                        'train_time': train_time, 'best_val': best_val, 'config': cfg,
+                        'model': raw.state_dict(), 'optimizer': optimizer.state_dict(),
+                        'scaler': scaler.state_dict() if scaler.is_enabled() else None,
+                        'dtype': str(runtime.dtype)[6:]}  # a resume keeps it
+                # best.pt first: a crash between the two leaves both whole
+                for name in ('best.pt', 'ckpt.pt') if improved else ('ckpt.pt',):
+                    save_checkpoint(ckpt, os.path.join(out_dir, name))
+                saved = step
         if progress >= 1:
             break
 
@@ -355,9 +363,8 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
             scaler.scale(loss / len(pieces)).backward()
             loss_sum += loss.detach()
             tokens_seen += batch[0].numel() * runtime.world  # every rank's share is this size
-        if cfg['grad_clip']:
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg['grad_clip'])
+        scaler.unscale_(optimizer)  # true gradients for their norm (a no-op unless fp16)
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg['grad_clip'] or math.inf)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -378,89 +385,41 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
                 diverged = f"the training loss is {mean_loss}"
                 break
             tps = (tokens_seen - logged_tokens) / interval_t
-            rec = dict(loss=round(mean_loss, 5), lr=lr, tokens_per_s=round(tps, 1),
-                       ms_per_step=round(1000 * interval_t / n_steps, 2), tokens_seen=tokens_seen)
-            if cfg['grad_clip']:
-                rec['grad_norm'] = round(grad_norm.item(), 4)
+            rec = dict(step=step, loss=round(mean_loss, 5), lr=lr, tokens_per_s=round(tps, 1),
+                       ms_per_step=round(1000 * interval_t / n_steps, 2), tokens_seen=tokens_seen,
+                       grad_norm=round(grad_norm.item(), 4))
             if peak:
                 rec['mfu'] = round(flops_per_token * tps / (peak * runtime.world), 4)
-            write_log(log, step=step, **rec)
-            if master:
-                left = time_left(cfg, step, train_time, interval_t / n_steps)
-                elapsed = timedelta(seconds=int(time.perf_counter() - began))  # h:mm:ss
-                print(f"step {step} | loss {mean_loss:.4f} | lr {lr:.2e} | "
-                      f"{rec['ms_per_step']:.0f} ms/step | {tps:,.0f} tok/s"
-                      + (f" | mfu {rec['mfu']:.1%}" if peak else '')
-                      + f" | {elapsed} elapsed, ~{left} left")
+            mfu = f" | mfu {rec['mfu']:.1%}" if peak else ''
+            left = time_left(cfg, step, train_time, interval_t / n_steps)
+            elapsed = timedelta(seconds=int(time.perf_counter() - began))  # h:mm:ss
+            report(log, f"step {step} | loss {mean_loss:.4f} | lr {lr:.2e} | "
+                   f"{rec['ms_per_step']:.0f} ms/step | {tps:,.0f} tok/s{mfu} | {elapsed} elapsed, "
+                   f"~{left} left", **rec)
             loss_sum.zero_()
             logged_step, logged_tokens, logged_time = step, tokens_seen, train_time
-    if log:
-        log.close()
     if diverged and master:
-        last = f"{ckpt_path} (step {saved})" if saved is not None else "none (nothing was saved)"
+        path = os.path.join(out_dir, 'ckpt.pt')
+        last = f"{path} (step {saved})" if saved is not None else "none (nothing was saved)"
         print(f"error: {diverged} at step {step}: training stopped; the last good checkpoint is "
               f"{last}. Lower --lr or keep --grad_clip on", file=sys.stderr)
     if runtime.distributed:  # rank 0 may still be writing the checkpoint: leave together
         dist.barrier()
-    return dict(step=step, tokens_seen=tokens_seen, train_time=train_time, best_val=best_val,
-                train_loss=train_loss, val_loss=val_loss,
+    return dict(step=step, train_time=train_time, best_val=best_val, val_loss=val_loss,
                 stopped='diverged' if diverged else 'budget')
-
-
-def time_left(cfg, step, train_time, s_per_step):
-    """Training time left (evaluation excluded), whole seconds: the step or time budget, whichever
-    ends first, steps at the last interval's pace."""
-    left = [(cfg['max_iters'] - step) * s_per_step] if cfg['max_iters'] else []
-    left += [cfg['max_time'] - train_time] if cfg['max_time'] else []
-    return timedelta(seconds=int(max(min(left), 0)))
-
-
-def write_log(log, **record):
-    """One JSON line of log.jsonl (log is None on ranks other than 0); NaN is not JSON: null."""
-    if log:
-        log.write(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
-                              for k, v in record.items()}) + '\n')
-        log.flush()
-
-
-@torch.no_grad()
-def evaluate(cfg, runtime, model, get_batch, loss_fn):
-    """Mean loss over the eval_iters fixed batches of each split (shared out over the ranks)."""
-    model.eval()
-    out = {}
-    for split in SPLITS:
-        total = torch.zeros(2, device=runtime.device, dtype=torch.float64)  # (sum of losses, count)
-        for i in range(runtime.rank, cfg['eval_iters'], runtime.world):
-            with autocast(runtime.device, runtime.dtype):
-                batch = to_device(get_batch(split, None, i), runtime.device)
-                total[0] += loss_fn(model, batch).double()
-            total[1] += 1
-        if runtime.distributed:
-            dist.all_reduce(total)
-        out[split] = (total[0] / total[1]).item()
-    model.train()
-    return out
-
-
-def to_device(batch, device):
-    pin = device.type == 'cuda'
-    return tuple(None if t is None else (t.pin_memory() if pin else t).to(device, non_blocking=pin)
-                 for t in batch)
 
 
 # ----------------------------------------------------------------------------- checkpoints
 
 def save_checkpoint(obj, path):
-    """Atomic (configurator.write_atomic): a crash never leaves a half-written checkpoint, and a
-    failed write (a full disk) is one error line naming the file, the old one kept."""
+    """Atomic: a crash or a full disk never leaves a half-written checkpoint (write_atomic)."""
     write_atomic(path, lambda f: torch.save(obj, f))
 
 
 def load_checkpoint(path):
     """A checkpoint's dict, on the CPU, after checking that it is one of nanomixer's."""
     if not os.path.isfile(path):
-        raise ValueError(f"no checkpoint at {path}: train one with python train.py (or pass the "
-                         f"right out_dir)")
+        raise ValueError(f"no checkpoint at {path}: train one with train.py, or pass its path")
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
         assert isinstance(ckpt, dict) and {'kind', 'model'} <= ckpt.keys(), "no 'kind'/'model'"
@@ -473,9 +432,7 @@ def load_checkpoint(path):
 
 def model_from_checkpoint(ckpt):
     """The checkpoint's model, weights loaded, in eval mode (on CPU; move it where you need it)."""
-    if 'model_config' not in ckpt:
-        raise ValueError(f"a {ckpt.get('kind')!r} checkpoint without model_config cannot be "
-                         f"rebuilt here")
+    assert 'model_config' in ckpt, f"a {ckpt['kind']!r} checkpoint holds no model to rebuild"
     model = build_model(ModelConfig(**ckpt['model_config']))
     model.load_state_dict(ckpt['model'])
     return model.eval()
@@ -485,8 +442,7 @@ RUN_FILES = ('ckpt.pt', 'best.pt', 'log.jsonl')  # what makes an out_dir hold a 
 
 
 def check_run_dir(out_dir, fresh, overwrite, resumable=True):
-    """Fail before any work if out_dir is not writable, or if a fresh run would replace its run
-    unasked (--overwrite)."""
+    """Refuse an out_dir that is not writable, or whose run a fresh run would replace unasked."""
     held = [f for f in RUN_FILES if os.path.isfile(os.path.join(out_dir, f))]
     if fresh and held and not overwrite:
         resume = "continue it with --init_from=resume, " if resumable else ""
@@ -510,28 +466,19 @@ def load_meta(data_dir):
     """prepare.py's record of data_dir: vocab_size, dtype, token counts, tokenizer."""
     path = os.path.join(data_dir, 'meta.json')
     if not os.path.isfile(path):
-        raise ValueError(f"no prepared data at {data_dir}: {prepare_command(data_dir)}")
+        name = os.path.basename(os.path.normpath(data_dir))  # a preset's data/NAME: dataset NAME
+        dataset = name if name in DATASETS else 'DATASET'
+        raise ValueError(f"no prepared data at {data_dir}: run python prepare.py {dataset} "
+                         f"--out_dir={data_dir} (a preset's docstring gives its options)")
     try:
-        meta = json.loads(Path(path).read_text())
-        np.dtype(meta['dtype']), meta['vocab_size'], meta['train_tokens'], meta['val_tokens']
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} is damaged ({type(e).__name__}: {e}): prepare the data again "
-                         f"with prepare.py") from None
-    return meta
-
-
-def prepare_command(data_dir):
-    """The prepare.py command that builds data_dir (a preset's data/NAME: its dataset NAME)."""
-    name = os.path.basename(os.path.normpath(data_dir))
-    if name in DATASETS and os.path.normpath(data_dir) == os.path.join('data', name):
-        return f"run python prepare.py {name} (a preset's docstring gives its options)"
-    return f"run python prepare.py (or prepare.py DATASET --out_dir={data_dir}), or pass --data_dir"
+        return json.loads(Path(path).read_text())
+    except ValueError as e:
+        raise ValueError(f"{path} is damaged ({e}): prepare the data again") from None
 
 
 def batch_rng(cfg, split, step, micro):
     """The numpy Generator of one micro-batch (step None: evaluation batch `micro`): a pure function
-    of its arguments, so a resumed run draws the same batches. DDP ranks draw disjoint micro-batches
-    where grad_accum is a multiple of the world size, else they share one and keep disjoint rows."""
+    of its arguments, so a resumed run, or one on more ranks, draws the same batches."""
     return np.random.default_rng([cfg['seed'], SPLITS.index(split), int(step is not None),
                                   step or 0, micro])
 
@@ -544,22 +491,16 @@ class Batches:
         self.tokens, self.docs = {}, {}
         for split in SPLITS:
             path = os.path.join(data_dir, f'{split}.bin')
-            if not os.path.isfile(path):
-                raise ValueError(f"no prepared data at {path}: {prepare_command(data_dir)}")
-            size, itemsize = os.path.getsize(path), np.dtype(meta['dtype']).itemsize
-            if size != meta[f'{split}_tokens'] * itemsize:
-                raise ValueError(f"{path} has {size} bytes but {data_dir}/meta.json says "
-                                 f"{meta[f'{split}_tokens']} {meta['dtype']} tokens: the file is "
-                                 f"cut short or replaced; prepare the data again")
-            tokens = np.memmap(path, dtype=meta['dtype'], mode='r')
-            self.tokens[split] = tokens
+            size = os.path.getsize(path) if os.path.isfile(path) else 0
+            if size != meta[f'{split}_tokens'] * np.dtype(meta['dtype']).itemsize:
+                raise ValueError(f"{path} is missing or not the {meta[f'{split}_tokens']} tokens "
+                                 f"that {data_dir}/meta.json counts: prepare the data again")
+            tokens = self.tokens[split] = np.memmap(path, dtype=meta['dtype'], mode='r')
             if cfg['batch_mode'] == 'documents':  # rows are n_ctx-token chunks of documents
-                try:
-                    starts = np.load(os.path.join(data_dir, f'{split}_docs.npy')).astype(np.int64)
-                except (OSError, ValueError) as e:
-                    why = getattr(e, 'strerror', None) or e
-                    raise ValueError(f"{data_dir}/{split}_docs.npy is missing or damaged ({why}): "
-                                     f"prepare the data again") from None
+                docs = os.path.join(data_dir, f'{split}_docs.npy')
+                if not os.path.isfile(docs):
+                    raise ValueError(f"{docs} is missing: prepare the data again")
+                starts = np.load(docs).astype(np.int64)
                 lengths = np.diff(np.append(starts, len(tokens)))
                 chunks = (lengths + self.n - 2) // self.n  # ceil((length - 1) / n_ctx) with targets
                 self.docs[split] = (starts, lengths, np.cumsum(chunks))
@@ -601,9 +542,8 @@ def main(argv=None):
 def train_lm(argv):
     cfg = parse_args(argv, DEFAULTS, __doc__, CHOICES)
     if not (sys.argv[1:] if argv is None else argv) and not torch.cuda.is_available():
-        raise ValueError("the defaults are sized for a GPU (a 23M-parameter model, 5000 steps: "
-                         "hours on a CPU): run python train.py config/demo.py (minutes), or give "
-                         "flags (such as --device=cpu) to run them anyway")
+        raise ValueError("the defaults are sized for a GPU (hours on a CPU): run python train.py "
+                         "config/demo.py, or give flags (such as --device=cpu) to run them anyway")
     resume, path = None, os.path.join(cfg['out_dir'], 'ckpt.pt')
     if cfg['init_from'] == 'resume':
         if not os.path.isfile(path):
@@ -619,15 +559,14 @@ def train_lm(argv):
         asked = asdict(ModelConfig(**{**trained, **{k: cfg[k] for k in MODEL_KEYS}}))
         for k in (k for k in trained if asked[k] != trained[k]):
             raise ValueError(f"--{k}={asked[k]} contradicts {path}, trained with {k}="
-                             f"{trained[k]!r}: a resume takes the model from its checkpoint; "
-                             f"drop the flag, or train into a new --out_dir")
+                             f"{trained[k]!r}: drop the flag, or train into a new --out_dir")
     check_loop(cfg, resume)
     meta = load_meta(cfg['data_dir'])
     mcfg = ModelConfig(vocab_size=meta['vocab_size'], **{k: cfg[k] for k in MODEL_KEYS})
     assert not resume or mcfg.vocab_size == resume['model_config']['vocab_size'], (
         f"{cfg['data_dir']} is not the data {path} was trained on: drop --data_dir")
     get_batch = Batches(cfg, meta, cfg['data_dir'])
-    runtime = setup_runtime(cfg, resume and resume['dtype'])
+    runtime = Runtime(cfg, resume and resume['dtype'])
     check_run_dir(cfg['out_dir'], resume is None, cfg['overwrite'], os.path.isfile(path))
     model = build_model(mcfg)
     if runtime.master:
@@ -638,8 +577,8 @@ def train_lm(argv):
     extra = {'kind': 'lm', 'model_config': asdict(mcfg),
              'data': {'data_dir': os.path.abspath(cfg['data_dir']), 'meta': meta}}
     loss_fn = lambda model, batch: model(batch[0], targets=batch[1], mask=batch[2])[1]  # noqa
-    # lm_loss averages over the targets that are not -1: padded documents give each row shard
-    # its own count (mtp2's second term, one fewer a row, is weighed as the first); packed: all
+    # lm_loss averages over the targets that are not -1: row shards of padded documents differ
+    # (mtp2's second term, one fewer a row, is weighed as the first); packed rows are all full
     docs = cfg['batch_mode'] == 'documents'
     count = (lambda batch: int((batch[1] != -1).sum())) if docs else None
     try:

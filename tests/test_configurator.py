@@ -88,7 +88,6 @@ REFUSALS = [
     # a key unknown (the key meant is named), a value mistyped, out of range or not a choice
     ('train', ['--max_iter=3'], '--max_iters'),
     *[('train', [*TRAIN, f'--{k}={v}'], k) for k, v in [('max_iters', -1), ('eval_iters', 0)]],
-    ('train', [*TRAIN, '--device=gpu0'], 'gpu0'),
     ('sample', [*SAMPLE, '--temperature=-1'], 'temperature'),
     ('sample', [*SAMPLE, '--method=beam'], 'beam'),
     ('prepare', ['wikipedia', OUT], 'wikipedia'),
