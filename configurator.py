@@ -4,7 +4,7 @@ words, files of `key = value` lines) and --key=value flags in the order given, e
 default. Also what every script does at its boundaries: one `error:` line and status 2 for bad
 input, files written whole or not at all.
 """
-import ast, contextlib, difflib, os, sys
+import ast, contextlib, difflib, os, sys, time
 from pathlib import Path
 
 
@@ -184,6 +184,8 @@ def run_main(body, interrupted='interrupted'):
     except (ValueError, AssertionError) as e:
         if os.environ.get('RANK', '0') == '0':
             print(f"error: {e}", file=sys.stderr)
+        else:  # every rank refuses alike: rank 0 says it before torchrun stops the others
+            time.sleep(1)
         return 2
     except KeyboardInterrupt:
         print(interrupted, file=sys.stderr)

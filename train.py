@@ -113,6 +113,8 @@ def resolve_device(name):
     """'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or 'cuda:N' as a torch.device."""
     if name == 'auto':
         name = 'cuda' if torch.cuda.is_available() else 'cpu'
+    if name.split(':')[0] not in ('cpu', 'cuda'):
+        raise ValueError(f"--device={name}: use auto, cpu, cuda or cuda:N")
     device = torch.device(name)
     if device.type == 'cuda' and not torch.cuda.is_available():
         raise ValueError(f"--device={name} but no CUDA GPU is visible: use --device=cpu (or auto)")

@@ -90,6 +90,7 @@ REFUSALS = [
     *[('train', [*TRAIN, f'--{k}={v}'], k) for k, v in [('max_iters', -1), ('eval_iters', 0)]],
     ('sample', [*SAMPLE, '--temperature=-1'], 'temperature'),
     ('sample', [*SAMPLE, '--method=beam'], 'beam'),
+    ('sample', [*SAMPLE, '--device=gpu0'], 'gpu0'),
     ('prepare', ['wikipedia', OUT], 'wikipedia'),
     ('prepare', ['pystdlib', '--tokenizer=p50k_nope', OUT], 'p50k_nope'),
     ('prepare', ['tinystories', '--pairs=docstring', OUT], 'docstring'),
