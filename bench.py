@@ -19,8 +19,8 @@ cores; --full swaps in the paper's grid; the command line wins over both. A time
 unless represent gets --ckpt; inputs are random tokens unless --data_dir. The paper's memory
 settings: --batch_size=16 --n_heads=32.
 """
-import contextlib, importlib.util, json, os, platform, resource, signal, statistics, subprocess
-import sys, time
+import contextlib, importlib.util, inspect, json, os, platform, resource, signal, statistics
+import subprocess, sys, time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -565,7 +565,7 @@ def race_settings(argv):
             shared.append(arg)
         else:
             own.append(arg)
-    s = SimpleNamespace(**parse_args(own, RACE_DEFAULTS, race.__doc__, positional='mode'))
+    s = SimpleNamespace(**parse_args(own, RACE_DEFAULTS, inspect.cleandoc(race.__doc__), positional='mode'))
     s.archs = s.archs.split(',')
     for arch in set(s.archs) - set(ARCHS):
         raise ValueError(f"--archs: {arch!r} is unknown: use one of {', '.join(ARCHS)}")
