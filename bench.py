@@ -565,7 +565,8 @@ def race_settings(argv):
             shared.append(arg)
         else:
             own.append(arg)
-    s = SimpleNamespace(**parse_args(own, RACE_DEFAULTS, inspect.cleandoc(race.__doc__), positional='mode'))
+    doc = inspect.cleandoc(race.__doc__)
+    s = SimpleNamespace(**parse_args(own, RACE_DEFAULTS, doc, positional='mode'))
     s.archs = s.archs.split(',')
     for arch in set(s.archs) - set(ARCHS):
         raise ValueError(f"--archs: {arch!r} is unknown: use one of {', '.join(ARCHS)}")
@@ -582,7 +583,7 @@ def race_settings(argv):
                       eval_seconds=s.eval_seconds, overwrite=True)  # out_dir checked below
         mine = presets[i:i + 1] + shared + per_arch.get(arch, [])
         s.runs[arch] = flags(base) + mine + flags(forced)
-        cfgs[arch] = parse_args(s.runs[arch], TRAIN_DEFAULTS, race.__doc__, CHOICES)
+        cfgs[arch] = parse_args(s.runs[arch], TRAIN_DEFAULTS, doc, CHOICES)
         assert cfgs[arch]['arch'] == arch, f"{arch}: list --presets in --archs order"
         for key in SAME_BATCHES:
             assert cfgs[arch][key] == cfgs[s.archs[0]][key], \
