@@ -264,8 +264,10 @@ def bench_generate(s):
             for method in s.methods.split(','):
                 if method == 'window' and batch != s.batch_size[0]:
                     continue
-                # warm-up: two tokens, and the compile with --compile
-                warmup = decode_stamps(model, prompt, 2, method, step, s)[-1]
+                # warm-up: two tokens; with --compile every timed position (its compile, and
+                # on a GPU its CUDA graph)
+                warm = s.new_tokens if step and method == 'cache' else 2
+                warmup = decode_stamps(model, prompt, warm, method, step, s)[-1]
                 runs = [decode_stamps(model, prompt, s.new_tokens, method, step, s)
                         for _ in range(s.repeats)]
                 per_token = statistics.median((t[-1] - t[0]) / (len(t) - 1) for t in runs)

@@ -4,7 +4,7 @@ Sample text from a model trained with train.py; tokens stream to stdout as they 
     python sample.py --prompt="def main("                       # out/best.pt (else out/ckpt.pt)
     python sample.py --ckpt=out/ckpt.pt --prompt=FILE:start.py --num_samples=3 --top_k=50
     python sample.py --prompt="def main(" --temperature=0 --method=window  # greedy, the paper's
-    python sample.py --prompt="def main(" --compile            # compiled cached steps
+    python sample.py --prompt="def main(" --compile            # compiled steps (GPU: CUDA graphs)
 
 --method picks a decoder of model.py's LanguageModel.stream. `window` is the paper's (§4.2): each
 new token goes to the next position of the n_ctx window and the whole window runs again, O(n^3 d)
@@ -32,7 +32,7 @@ DEFAULTS = dict(
     top_p=1.0,              # nucleus sampling mass in (0, 1]; 1 = off
     seed=1337,              # the same seed gives the same samples
     method='cache',         # cache (exact, O(n^2 d) per window) | window (the paper's, O(n^3 d))
-    compile=False,          # torch.compile the cached step: faster after a one-time compile
+    compile=False,          # torch.compile the cached step (GPU: as CUDA graphs), after a warm-up
     device='auto',          # auto = cuda if available, else cpu
     dtype='auto',           # the weights' dtype; auto: fp32 on a CPU, else the trained one
 )
@@ -76,8 +76,56 @@ def decode_layout(model):
 
 def compiled_step(model):
     """model.step through torch.compile, dynamic shapes: one graph serves the positions of a
-    window (its last one gets a second)."""
-    return torch.compile(model.step, dynamic=True)
+    window (its last one gets a second). On a GPU those steps are then captured as CUDA graphs
+    (GraphStep), but ELiTA's: its cache holds running sums replaced each step, not buffers."""
+    step = torch.compile(model.step, dynamic=True)
+    cuda = next(model.parameters()).is_cuda
+    return GraphStep(step) if cuda and model.cfg.arch != 'elita' else step
+
+
+class GraphStep:
+    """A cached step (B, 1) -> logits (B, vocab) replayed as CUDA graphs, one per window position.
+    At batch 1 a step is a hundred or more small kernels whose launches cost more than their work; a
+    graph launches them all at once. Exact: a step's shapes depend only on its position, so the
+    graph captured at position p is the step at p, kernel for kernel, and it reads fixed memory:
+    the token in self.idx and the Cache's buffers (n_ctx long, written in place). A new stream's
+    buffers (or a slid window's) are copied into the captured ones, which then stand in for them;
+    another batch size or model starts afresh. A position's first visit runs the step (the warm-up
+    a capture needs) and captures it."""
+
+    def __init__(self, step):
+        self.step, self.graphs, self.buffers = step, {}, {}
+        self.pool = torch.cuda.graph_pool_handle()  # graphs replay one at a time: one pool
+        self.stream = torch.cuda.Stream()  # warm-ups and captures: a stream's lazy set-up (its
+        # cuBLAS workspace) cannot happen during a capture, so the warm-up on it does that
+
+    def __call__(self, idx, pos, cache):
+        if cache.keys() != self.buffers.keys() or any(
+                cache[k] is not buf for k, buf in self.buffers.items()):
+            self.adopt(cache)
+        if pos not in self.graphs:  # the warm-up gets the capture's very arguments (no recompile)
+            self.idx = self.idx.copy_(idx) if self.graphs else idx.clone()  # the graphs' input
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                logits = self.step(self.idx, pos, cache)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                self.graphs[pos] = graph, self.step(self.idx, pos, cache)
+            torch.cuda.current_stream().wait_stream(self.stream)
+            return logits
+        graph, logits = self.graphs[pos]
+        self.idx.copy_(idx)
+        graph.replay()
+        return logits.clone()  # the next replay at pos overwrites the graph's own
+
+    def adopt(self, cache):
+        """Copy cache's buffers into the captured ones and use those; other shapes: start afresh."""
+        if {k: (v.shape, v.dtype) for k, v in cache.items()} != \
+                {k: (v.shape, v.dtype) for k, v in self.buffers.items()}:
+            self.graphs, self.buffers = {}, dict(cache)
+        for key, buf in self.buffers.items():
+            buf.copy_(cache[key])
+            cache[key] = buf
 
 
 def write_samples(model, tok, ids, args, generator, step=None):

@@ -64,9 +64,23 @@ def test_cuda_window_equals_cache(variant, no_tf32):
 
 
 @cuda
+@pytest.mark.parametrize('variant', [v for v in VARIANTS if v.get('arch') != 'elita'], ids=name)
+def test_cuda_graph_step_replays_the_eager_step(variant, no_tf32):
+    """sample.GraphStep over the eager step: the eager tokens and logits through a slide, for a
+    first stream (captures), a second (its buffers adopted, replays) and another batch size."""
+    model = tiny_model(**variant).cuda()
+    step = sample.GraphStep(model.step)
+    for idx in (prompt(5), prompt(5, seed=2), prompt(3, seed=3, batch=1)):
+        got = decode(model, idx.cuda(), N_CTX + N_CTX // 2, 'cache', step=step)
+        want = decode(model, idx.cuda(), N_CTX + N_CTX // 2, 'cache')
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1])  # the same kernels: fp32 rounding at most
+
+
+@cuda
 @pytest.mark.parametrize('arch', ['mixer', 'llama'])
 def test_cuda_compiled_decode_step_equals_eager(arch, no_tf32):
-    """sample.compiled_step through inductor's GPU kernels: the eager step's tokens and logits."""
+    """sample.compiled_step (inductor's kernels in CUDA graphs): the eager tokens and logits."""
     model = tiny_model(arch=arch).cuda()
     torch._dynamo.reset()
     step = sample.compiled_step(model)
@@ -130,6 +144,7 @@ def test_cuda_sample_and_bench(trained, capsys):
             '--temperature=0', '--device=cuda', '--dtype=float32']
     code, cached, _ = run_main(capsys, 'sample', *argv)
     assert code == 0 and run_main(capsys, 'sample', *argv, '--method=window')[1] == cached
+    assert run_main(capsys, 'sample', *argv, '--compile')[1] == cached
     gpu = ['--d_model=64', '--n_layers=1', '--vocab_size=128', '--device=cuda', '--dtype=bfloat16']
     rows = bench.main(['throughput', *gpu, '--n_ctx=64', '--batch_size=2', '--repeats=2'])
     assert len(rows) == 3 and all(0 < r['mfu'] < 1 and r['peak_flops'] > 1e12 for r in rows)
