@@ -1,5 +1,6 @@
-"""sample.py: the command line, greedy window == cache, compiled decoding, streaming."""
-import dataclasses, types
+"""sample.py: the command line, greedy window == cache, compiled decoding and its CUDA graphs'
+bookkeeping, streaming."""
+import contextlib, dataclasses, types
 
 import pytest
 import torch
@@ -41,6 +42,61 @@ def test_compiled_step_decodes_as_eager_without_a_graph_per_position(arch):
     torch.testing.assert_close(logit_c, logit_e, atol=1e-5, rtol=1e-5)
     # not one per position: a window's last one gets its own
     assert counters['stats']['unique_graphs'] <= 2, dict(counters['stats'])
+
+
+class FakeGraph:
+    """torch.cuda's graphs and streams stood in for on a CPU: a capture keeps the step's call (its
+    arguments: the token tensor and the buffers the Cache held then); a replay repeats it."""
+    capturing = []
+
+    def replay(self):
+        self.out.copy_(self.step(*self.args))
+
+    def wait_stream(self, other):  # as a stream: a CPU runs everything in order
+        pass
+
+    @classmethod
+    def recorded(cls, step):
+        def call(idx, pos, cache):
+            from torch._dynamo.utils import counters
+            compiled = counters['stats']['unique_graphs']
+            out = step(idx, pos, cache)
+            if cls.capturing:  # a GPU cannot compile inside a capture: the warm-up must have
+                assert counters['stats']['unique_graphs'] == compiled, f'compiled at {pos}'
+                graph, buffers = cls.capturing[-1], type(cache)(cache.n_ctx)
+                buffers.update(cache)
+                graph.step, graph.args, graph.out = step, (idx, pos, buffers), out
+            return out
+        return call
+
+
+@pytest.mark.parametrize('variant,compiled', [(dict(arch='mixer'), True),
+                                              (dict(arch='llama'), False),
+                                              (dict(arch='mixer', expansion=0.5), False),
+                                              (dict(arch='hybrid'), False)], ids=str)
+def test_graph_step_bookkeeping(variant, compiled, monkeypatch):
+    """sample.GraphStep on a CPU, its graphs faked (tests/test_cuda.py runs the real ones): the
+    eager tokens and logits through slides, for a first stream, a second (its buffers adopted)
+    and another batch size, and no compile inside a capture."""
+    @contextlib.contextmanager
+    def graph(g, pool=None, stream=None):
+        FakeGraph.capturing.append(g)
+        yield
+        FakeGraph.capturing.pop()
+    fakes = dict(CUDAGraph=FakeGraph, graph=graph, graph_pool_handle=lambda: None,
+                 Stream=FakeGraph, current_stream=FakeGraph, stream=contextlib.nullcontext)
+    for key, value in fakes.items():
+        monkeypatch.setattr(torch.cuda, key, value)
+    model = tiny_model(**variant)
+    torch._dynamo.reset()
+    step = torch.compile(model.step, dynamic=True) if compiled else model.step
+    step = sample.GraphStep(FakeGraph.recorded(step))
+    for idx in (prompt(5), prompt(5, seed=2), prompt(3, seed=3, batch=1)):
+        got = decode(model, idx, 2 * N_CTX, 'cache', step=step)
+        want = decode(model, idx, 2 * N_CTX, 'cache')
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-6)  # inductor's sums
+    torch._dynamo.reset()
 
 
 def test_cli_seeds_batches_and_prompts(trained, data, tmp_path, capsys):
