@@ -96,8 +96,8 @@ class GraphStep:
     def __init__(self, step):
         self.step, self.graphs, self.buffers = step, {}, {}
         self.pool = torch.cuda.graph_pool_handle()  # graphs replay one at a time: one pool
-        self.stream = torch.cuda.Stream()  # warm-ups and captures: a stream's lazy set-up (its
-        # cuBLAS workspace) cannot happen during a capture, so the warm-up on it does that
+        self.stream = torch.cuda.Stream()  # warm-ups and captures: a stream's lazy set-up (such
+        # as its cuBLAS workspace) cannot happen inside a capture, so the warm-up on it does it
 
     def __call__(self, idx, pos, cache):
         if cache.keys() != self.buffers.keys() or any(
