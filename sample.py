@@ -122,7 +122,8 @@ class GraphStep:
         """Copy cache's buffers into the captured ones and use those; other shapes: start afresh."""
         if {k: (v.shape, v.dtype) for k, v in cache.items()} != \
                 {k: (v.shape, v.dtype) for k, v in self.buffers.items()}:
-            self.graphs, self.buffers = {}, dict(cache)
+            self.graphs, self.buffers = {}, dict(cache)  # these buffers are captured from now on
+            return
         for key, buf in self.buffers.items():
             buf.copy_(cache[key])
             cache[key] = buf
