@@ -4,15 +4,18 @@ Prepare a corpus for nanomixer: token streams, document offsets, a tokenizer and
     python prepare.py                                 # this interpreter's standard library, offline
     python prepare.py tinystories --max_docs=2000000  # the paper's TinyStories setup
     python prepare.py text --input='notes/*.md' --pairs=ict   # your own files
+    python prepare.py text --input=SITE_PACKAGES --exclude='*.dist-info' --holdout=matplotlib \
+        --pairs=docstring --out_dir=data/site     # code search: a package's pairs held out
 
 Writes to --out_dir (default data/DATASET): train.bin and val.bin (raw uint16/uint32 token ids,
 every document wrapped in BOS ... EOS), train_docs.npy and val_docs.npy (int64 start offset of each
 document), tokenizer.model, pairs_train.jsonl and pairs_val.jsonl ({"query", "target"} per line)
-when the dataset has pairs, and meta.json. Files are written under .tmp names and renamed when
-complete; meta.json goes last and holds a fingerprint of the inputs and options, so an unchanged
-rerun does nothing.
+when the dataset has pairs, pairs_heldout.jsonl (the pairs of the --holdout files, which are in no
+other output) and meta.json. Files are written under .tmp names and renamed when complete;
+meta.json goes last and holds a fingerprint of the inputs and options, so an unchanged rerun does
+nothing.
 """
-import ast, glob, hashlib, io, json, os, platform, re, shutil, socket, sys, sysconfig
+import ast, fnmatch, glob, hashlib, io, json, os, platform, re, shutil, socket, sys, sysconfig
 import textwrap, time
 from itertools import chain, islice
 from pathlib import Path
@@ -33,7 +36,7 @@ BATCH_DOCS = 1024            # documents tokenized at once
 EOT = '<|endoftext|>'        # a line holding only this separates documents (TinyStories, text)
 SPLITS = ('train', 'val')
 OUTPUTS = ('train.bin', 'val.bin', 'train_docs.npy', 'val_docs.npy', 'tokenizer.model',
-           'pairs_train.jsonl', 'pairs_val.jsonl')
+           'pairs_train.jsonl', 'pairs_val.jsonl', 'pairs_heldout.jsonl')
 # name: (what it is, default vocabulary, share of documents sent to val by a hash of their key, or
 # None where the dataset has its own validation file, default pairs)
 DATASETS = {
@@ -170,14 +173,34 @@ def text_files(patterns, out_dir):
     return root, [os.path.relpath(f, root).replace(os.sep, '/') for f in files]
 
 
+def matching(rels, patterns, key):
+    """The paths among rels with a folder or file name, or a leading part (`pkg/sub`), that matches
+    one of the globs; a glob that matches nothing is refused (a typo would change nothing)."""
+    def names(rel):  # 'a/b/c.py' -> a, b, c.py, a/b
+        parts = rel.split('/')
+        return parts + ['/'.join(parts[:i]) for i in range(2, len(parts))]
+    found = set()
+    for pattern in patterns:
+        hits = {rel for rel in rels if any(fnmatch.fnmatch(n, pattern) for n in names(rel))}
+        if not hits:
+            raise ValueError(f'--{key} {pattern!r} matches no file or folder of the input: check '
+                             f'its spelling (names and globs, e.g. tests or *.dist-info)')
+        found |= hits
+    return found
+
+
 def local_documents(args, val_share):
-    """pystdlib (one document per module) and text (files, cut at <|endoftext|> lines)."""
+    """pystdlib (one document per module) and text (files, cut at <|endoftext|> lines), without
+    the --exclude files; the --holdout files come as the split 'heldout'."""
     if args.dataset == 'pystdlib':
         root, rels = stdlib_files()
         source = {'python': platform.python_version()}
     else:
         root, rels = text_files(args.input, args.out_dir)
         source = {'input': args.input}
+    gone = matching(rels, args.exclude, 'exclude')
+    rels = [rel for rel in rels if rel not in gone]
+    held = matching(rels, args.holdout, 'holdout')
     stats = []
     for rel in rels:
         st = os.stat(os.path.join(root, rel))
@@ -193,7 +216,7 @@ def local_documents(args, val_share):
             for i, text in enumerate(docs):
                 key = rel if len(docs) == 1 else f'{rel}#{i}'
                 if text.strip():
-                    yield split_of(key, val_share), key, text, None
+                    yield 'heldout' if rel in held else split_of(key, val_share), key, text, None
     return documents, stats, sum(size for _, size, _ in stats), source
 
 
@@ -370,10 +393,10 @@ def encode(args, documents, total, tokenizer, dtype, pairs):
     """Write the .tmp token streams, offsets and pairs; return the counts and how many files."""
     path = lambda name: os.path.join(args.out_dir, name + '.tmp')  # noqa: E731
     bins = {s: open(path(f'{s}.bin'), 'wb') for s in SPLITS}
-    jsonl = {s: open(path(f'pairs_{s}.jsonl'), 'w', encoding='utf-8')
-             for s in (SPLITS if pairs else ())}
+    with_pairs = SPLITS + ('heldout',) * bool(args.holdout) if pairs else ()
+    jsonl = {s: open(path(f'pairs_{s}.jsonl'), 'w', encoding='utf-8') for s in with_pairs}
     starts, tokens = {s: [] for s in SPLITS}, dict.fromkeys(SPLITS, 0)
-    n_pairs, files = dict.fromkeys(SPLITS, 0), set()
+    n_pairs, files, held = dict.fromkeys(SPLITS + ('heldout',), 0), set(), 0
     bar = tqdm(desc='encoding', total=total, unit='B', unit_scale=True)
 
     def encoded():  # a batch of documents at a time, for the tokenizer to spread over the cores
@@ -384,17 +407,20 @@ def encode(args, documents, total, tokenizer, dtype, pairs):
         for (split, key, text, summary), ids in encoded():
             if split == 'train' and args.max_tokens and tokens['train'] >= args.max_tokens:
                 break
-            ids = np.array([tokenizer.bos_id, *ids, tokenizer.eos_id], dtype=dtype)
             lines = [json.dumps({'query': q, 'target': t}, ensure_ascii=False) + '\n'
                      for q, t in document_pairs(pairs, key, text, summary)]
-            starts[split].append(tokens[split])
-            bins[split].write(ids.tobytes())
-            tokens[split] += len(ids)
             if lines:
                 jsonl[split].writelines(lines)
             n_pairs[split] += len(lines)
             files.add(key.split('#')[0])
             bar.update(len(text.encode()))
+            if split == 'heldout':  # its pairs only: no token of it is trained or validated on
+                held += 1
+                continue
+            ids = np.array([tokenizer.bos_id, *ids, tokenizer.eos_id], dtype=dtype)
+            starts[split].append(tokens[split])
+            bins[split].write(ids.tobytes())
+            tokens[split] += len(ids)
     finally:
         bar.close()
         for f in chain(bins.values(), jsonl.values()):
@@ -405,7 +431,9 @@ def encode(args, documents, total, tokenizer, dtype, pairs):
     counts = {f'{s}_tokens': tokens[s] for s in SPLITS}
     counts |= {f'{s}_docs': len(starts[s]) for s in SPLITS}
     if pairs:
-        counts |= {'pairs': pairs} | {f'n_pairs_{s}': n_pairs[s] for s in SPLITS}
+        counts |= {'pairs': pairs} | {f'n_pairs_{s}': n_pairs[s] for s in with_pairs}
+    if args.holdout:
+        counts['heldout_docs'] = held
     return counts, len(files)
 
 
@@ -441,7 +469,9 @@ def carve(read, n_docs):
     n_train = n_docs - max(1, round(n_docs / 10))
 
     def documents():
-        for i, (_, key, text, summary) in enumerate(read()):
+        kept = (doc for doc in read() if doc[0] != 'heldout')
+        yield from (doc for doc in read() if doc[0] == 'heldout')
+        for i, (_, key, text, summary) in enumerate(kept):
             if n_docs > 1:
                 yield 'train' if i < n_train else 'val', key, text, summary
                 continue
@@ -481,7 +511,8 @@ def prepare(args):
     kind = 'train' if not tok else 'file' if is_file else 'tiktoken'
     if kind == 'file' and not os.path.isfile(tok):
         raise ValueError(f'--tokenizer file {tok} does not exist')
-    keys = ('dataset', 'vocab_size', 'tokenizer', 'pairs', 'max_docs', 'max_tokens')
+    keys = ('dataset', 'vocab_size', 'tokenizer', 'pairs', 'max_docs', 'max_tokens', 'exclude',
+            'holdout')
     config = {k: getattr(args, k) for k in keys}
     if kind == 'file':  # the same path may hold another model later
         with open(tok, 'rb') as f:
@@ -492,7 +523,9 @@ def prepare(args):
         return
     splits, n_docs = set(), 0
     for split, *_ in documents():  # downloads happen, empty inputs fail before any work; the
-        splits.add(split)          # whole corpus is read only if a split stays empty (small ones)
+        if split == 'heldout':     # whole corpus is read only if a split stays empty (small ones)
+            continue
+        splits.add(split)
         n_docs += 1
         if len(splits) == 2:
             break
@@ -528,7 +561,7 @@ def prepare(args):
         spec = {'kind': 'sentencepiece', 'path': 'tokenizer.model'}
         produced.append('tokenizer.model')
     if pairs:
-        produced += OUTPUTS[5:]
+        produced += OUTPUTS[5:7] + OUTPUTS[7:] * bool(args.holdout)
     meta = {'dataset': args.dataset, 'vocab_size': tokenizer.vocab_size, 'tokenizer': spec,
             'bos_id': tokenizer.bos_id, 'eos_id': tokenizer.eos_id, 'pad_id': tokenizer.pad_id,
             'dtype': dtype, **counts, 'source': {'description': about, **source, 'files': n_files},
@@ -546,6 +579,8 @@ DEFAULTS = dict(
     vocab_size=0,         # BPE pieces; 0 = the dataset's (4096; fineweb-edu, finemath 8000)
     tokenizer='',         # reuse PATH.model (sentencepiece) or a tiktoken encoding (gpt2, ...)
     input='',             # text dataset: files, folders or globs, comma-separated
+    exclude='',           # leave out files and folders whose name (or a/b path) matches a glob
+    holdout='',           # as exclude, but their pairs go to pairs_heldout.jsonl (a test set)
     pairs='',             # retrieval pairs: docstring (pystdlib, text) or ict; '' = the dataset's
     max_docs=0,           # keep the first N training documents (the paper: 2000000); 0 = all
     max_tokens=0,         # stop once the training split holds N tokens; 0 = no limit
@@ -560,7 +595,8 @@ def prepare_args(argv):
     doc = __doc__ + 'datasets:\n' + '\n'.join(datasets)
     cfg = parse_args(argv, DEFAULTS, doc, dict(dataset=tuple(DATASETS)), positional='dataset')
     args = SimpleNamespace(**cfg)
-    args.input = [s for s in args.input.split(',') if s]
+    for key in ('input', 'exclude', 'holdout'):
+        setattr(args, key, [s for s in getattr(args, key).split(',') if s])
     if args.dataset == 'text' and not args.input:
         raise ValueError('the text dataset needs --input: files, folders or globs, comma-separated')
     if args.input and args.dataset != 'text':
@@ -569,6 +605,12 @@ def prepare_args(argv):
     if args.pairs not in ('', 'docstring', 'ict') or args.pairs == 'docstring' and not code:
         raise ValueError(f'--pairs={args.pairs} is not available for {args.dataset}: '
                          f'docstring (pystdlib, text) or ict')
+    if (args.exclude or args.holdout) and not code:
+        raise ValueError(f'--exclude and --holdout pick files of pystdlib or text, not '
+                         f'{args.dataset}')
+    if args.holdout and not (args.pairs or DATASETS[args.dataset][3]):
+        raise ValueError('--holdout keeps its files\' pairs as a test set: add --pairs=docstring '
+                         '(or ict)')
     args.out_dir = args.out_dir or os.path.join('data', args.dataset)
     return args
 

@@ -3,7 +3,7 @@ retrieve.py: retrieval with masked mixers and transformers (paper §6), in one f
 
     # InfoNCE fine-tuning of a pretrained checkpoint (§6.3, eqs 7-8)
     python retrieve.py train --init_from=out/ckpt.pt --data_dir=data/pystdlib
-    # top-1 for many n (Tables 1, 3, 4), MRR@10, recall@k; --peer=NAME: a sentence-transformer too
+    # top-1 for many n (Tables 1, 3, 4), MRR@10, recall@k; --peer=bm25,MODEL: known retrievers too
     python retrieve.py eval --ckpt=out-retrieval/ckpt.pt --pairs=data/pystdlib/pairs_val.jsonl
     # a RetrievalMixer per c on the frozen model's last hidden states (§6.2, Algorithm 1)
     python retrieve.py indirect --ckpt=out/ckpt.pt --data_dir=data/pystdlib --c=32,128
@@ -15,7 +15,7 @@ python retrieve.py COMMAND --help lists its keys; train and indirect run train.p
 n counts as Table 1's caption does: one query, its matching target and n-2 non-matching targets,
 so n-1 candidates (chance 1/(n-1)); indirect's c and train's paper negatives count the same way.
 """
-import contextlib, json, math, os, sys
+import contextlib, json, math, os, re, sys
 
 import numpy as np
 import torch
@@ -67,7 +67,8 @@ INDIRECT = dict(
 EVAL = dict(
     EMBED,
     ckpt='',
-    peer='',                # also (or only) a sentence-transformers model: a folder or a hub name
+    peer='',                # also (or only) known retrievers: bm25 and sentence-transformers
+                            # models (a folder or a hub name), comma-separated
     pairs='',               # a pairs JSONL file ({"query": ..., "target": ...} per line)
     n=','.join(str(2 ** k) for k in range(5, 14)),  # Table 1's n (32 ... 8192), at most pairs + 1
     seed=0,                 # seed of the sampled negatives
@@ -344,18 +345,19 @@ def cmd_train(cfg):
 
 # ----------------------------------------------------------------------------- eval
 
-def retrieval_metrics(q, t, ns, seed):
+def retrieval_metrics(score, N, ns, seed):
     """Top-1 accuracy (%) for each n of Table 1 (one query, its target and n-2 non-matching targets
     sampled without replacement: n-1 candidates), and MRR@10, recall@1/5/10 against all targets.
-    q, t (N, d) unit rows, q[i] matches t[i]. Each query draws one random order of the other
-    targets (seeded) and its first n-2 are the negatives for n, so the candidate sets are nested
-    and accuracy falls with n. A tie with a negative counts as a miss."""
-    N, gen = q.shape[0], torch.Generator().manual_seed(seed)
+    score(rows) gives the scores (b, N) of queries `rows` against the N targets, query i's match
+    is target i. Each query draws one random order of the other targets (seeded) and its first n-2
+    are the negatives for n, so the candidate sets are nested and accuracy falls with n: every
+    retriever scored with one seed meets the same candidates. A tie with a negative is a miss."""
+    gen = torch.Generator().manual_seed(seed)
     hits, rank = {n: 0 for n in ns}, torch.empty(N, dtype=torch.long)
     for a in range(0, N, 512):                                     # 512 queries at a time
         rows = torch.arange(a, min(a + 512, N))
         b = torch.arange(len(rows))
-        sim = q[rows] @ t.T                                        # (b, N) cosines
+        sim = score(rows).float()                                  # (b, N)
         pos = sim[b, rows]                                         # (b,) the matches
         rank[rows] = (sim >= pos[:, None]).sum(1)                  # 1 + targets scoring >= match
         keys = torch.rand(len(rows), N, generator=gen)
@@ -378,6 +380,29 @@ def capped(ns, key, n_pairs):
         print(f"note: only {n_pairs} pairs, so {key} is capped at {top} (the query and every "
               f"target; asked for {','.join(str(n) for n in ns if n > top)})", file=sys.stderr)
     return sorted({min(n, top) for n in ns})
+
+
+def code_words(text):
+    """BM25's terms for code and prose: words and identifier parts, lowercased, so that the query
+    "read a file" meets read_file and ReadFile alike (both give read, file)."""
+    return [w.lower() for w in re.findall(r'[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+', text)]
+
+
+def bm25_scorer(queries, targets):
+    """BM25 (the bm25s package, Lucene's variant) over code_words without English stopwords, as
+    eval's score."""
+    try:
+        import bm25s
+    except ImportError:
+        raise ValueError("--peer=bm25 needs bm25s, an optional package: pip install bm25s") \
+            from None
+    stop = set(bm25s.stopwords.STOPWORDS_EN)                       # the, of, ... (33 words)
+    terms = lambda text: [w for w in code_words(text) if w not in stop]  # noqa: E731
+    index = bm25s.BM25()
+    index.index([terms(t) for t in targets], show_progress=False)
+    words, none = [terms(q) for q in queries], np.zeros(len(targets), dtype=np.float32)
+    return lambda rows: torch.from_numpy(np.stack([index.get_scores(words[i]) if words[i] else none
+                                                   for i in rows]))
 
 
 def peer_embedder(name, device, batch_size):
@@ -409,23 +434,31 @@ def cmd_eval(cfg):
     if not (cfg['ckpt'] or cfg['peer']):
         raise ValueError("nothing to evaluate: pass --ckpt=CKPT and/or --peer=NAME_OR_PATH")
     queries, targets = read_pairs(cfg['pairs'])
-    ns, device, models = int_list(cfg['n'], 'n', low=3), train.resolve_device(cfg['device']), {}
+    ns, device, embedders = int_list(cfg['n'], 'n', low=3), train.resolve_device(cfg['device']), {}
     if cfg['ckpt']:
-        models['ckpt'] = Embedder(cfg['ckpt'], device, cfg['dtype'], cfg['batch_size'],
-                                  cfg['embed_pos'])
-    if cfg['peer']:
-        models['peer'] = peer_embedder(cfg['peer'], device, cfg['batch_size'])
+        embedders[cfg['ckpt']] = Embedder(cfg['ckpt'], device, cfg['dtype'], cfg['batch_size'],
+                                          cfg['embed_pos'])
+    for name in cfg['peer'].split(',') if cfg['peer'] else ():  # each loads before any scoring
+        embedders[name] = name if name == 'bm25' else peer_embedder(name, device,
+                                                                    cfg['batch_size'])
     ns, results = capped(ns, 'n', len(queries)), {}  # noted once the models have loaded
-    for key, embed in models.items():
-        m = results[key] = retrieval_metrics(embed(queries), embed(targets), ns, cfg['seed'])
-        print(f"{cfg[key]}: {len(queries)} pairs from {cfg['pairs']}")
-        print('n      ' + ''.join(f"{n:>8}" for n in m['top1']))
-        print('top-1% ' + ''.join(f"{v:8.1f}" for v in m['top1'].values()))
+    for name, embed in embedders.items():
+        if embed == 'bm25':
+            score = bm25_scorer(queries, targets)
+        else:
+            q, t = embed(queries), embed(targets)                  # (N, d) unit rows each
+            score = lambda rows: q[rows] @ t.T                     # noqa: E731 (cosines)
+        results[name] = retrieval_metrics(score, len(queries), ns, cfg['seed'])
+    width = max(len(name) for name in results)
+    print(f"{len(queries):,} pairs from {cfg['pairs']}: top-1 % against n - 1 candidates; "
+          f"MRR@10 and recall@k % against all {len(queries):,} targets")
+    print(f"{'n':<{width}}" + ''.join(f"{n:>7}" for n in ns) + '  MRR@10  R@1  R@5  R@10')
+    for name, m in results.items():
         r = m['recall@k']
-        print(f"against all {m['n_pairs']} targets: MRR@10 {m['mrr@10']:.3f}, "
-              f"recall@1 {r['1']:.1f}%, recall@5 {r['5']:.1f}%, recall@10 {r['10']:.1f}%")
-    if cfg['json']:  # one model: its metrics; with --peer: {"ckpt": ..., "peer": ...}
-        out = results if cfg['peer'] else results['ckpt']
+        print(f"{name:<{width}}" + ''.join(f"{v:7.1f}" for v in m['top1'].values()) +
+              f"  {m['mrr@10']:6.3f} {r['1']:4.1f} {r['5']:4.1f} {r['10']:5.1f}")
+    if cfg['json']:  # one retriever: its metrics; several: {its name as given: its metrics}
+        out = results if len(results) > 1 else results.popitem()[1]
         write_atomic(cfg['json'], json.dumps(out, indent=1) + '\n')
     return 0
 

@@ -173,6 +173,29 @@ def test_text_dataset_pairs(tmp_path, stdlib_dir, capsys):
         assert [(p['query'], p['target']) for p in pairs[s]] == want
 
 
+def test_exclude_and_holdout(tmp_path, stdlib_dir, capsys):
+    """--exclude leaves a matching folder out of every output; a --holdout package is in no token
+    stream and no train or val pair, and its pairs are pairs_heldout.jsonl; a glob that matches
+    nothing is refused (a typo would otherwise train on the package meant for testing)."""
+    for pkg in ('keep', 'keep/tests', 'held'):
+        (tmp_path / 'site' / pkg).mkdir(parents=True)
+        for i in range(6):
+            code = FIXTURE_PY.replace('Stack', f"Stack{pkg.replace('/', '_')}{i}")
+            (tmp_path / 'site' / pkg / f'm{i}.py').write_text(code)
+    args = ['text', f'--input={tmp_path}/site', '--pairs=docstring', '--exclude=tests',
+            f'--tokenizer={stdlib_dir}/tokenizer.model', f'--out_dir={tmp_path}/d']
+    assert prepare.main(args + ['--holdout=hel*']) == 0
+    meta, docs, pairs = read_folder(tmp_path / 'd')
+    seen = json.dumps([docs, pairs])
+    assert 'Stackkeep0' in seen and 'Stackkeep_tests' not in seen and 'Stackheld' not in seen
+    held = [json.loads(line) for line in open(tmp_path / 'd/pairs_heldout.jsonl')]
+    assert sorted((p['query'], p['target']) for p in held) == sorted(
+        p for i in range(6) for p in docstring_pairs(FIXTURE_PY.replace('Stack', f'Stackheld{i}')))
+    assert meta['n_pairs_heldout'] == len(held) and meta['heldout_docs'] == 6
+    refused(capsys, 'prepare', args + ['--holdout=helt'], "'helt' matches no file",
+            keep=[tmp_path / 'd'])
+
+
 def test_tiktoken_tokenizer_or_clear_offline_error(tmp_path, capsys):
     for i in range(10):
         (tmp_path / f'{i}.txt').write_text(f'Hello world {i}. ' * 50)

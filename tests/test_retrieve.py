@@ -163,12 +163,18 @@ def test_eval_identical_texts_is_100_percent_and_n_is_capped(corpus, capsys, tmp
 def test_eval_random_scores_are_one_in_n_minus_one():
     """Table 1's n: one query, its target and n-2 non-matching targets, so chance is 1/(n-1)."""
     pairs = 3000
-    m = retrieve.retrieval_metrics(unit(pairs, 64, seed=5).float(), unit(pairs, 64, seed=6).float(),
-                                   (3, 8, 32), seed=0)
+    q, t = unit(pairs, 64, seed=5).float(), unit(pairs, 64, seed=6).float()
+    m = retrieve.retrieval_metrics(lambda rows: q[rows] @ t.T, pairs, (3, 8, 32), seed=0)
     for n in (3, 8, 32):
         p, sd = 100 / (n - 1), 100 * math.sqrt((1 / (n - 1)) * (1 - 1 / (n - 1)) / pairs)
         assert abs(m['top1'][str(n)] - p) < 4 * sd, (n, m['top1'])
     assert abs(m['recall@k']['10'] - 100 * 10 / pairs) < 0.5
+
+
+def test_bm25_terms_split_identifiers():
+    """BM25 meets code halfway: snake_case, CamelCase and acronyms split into lowercase words."""
+    assert retrieve.code_words('read_file(ReadFile)') == ['read', 'file', 'read', 'file']
+    assert retrieve.code_words('HTTPServer.get2()') == ['http', 'server', 'get', '2']
 
 
 class FakePeer:
@@ -188,22 +194,29 @@ class FakePeer:
 
 
 def test_eval_peer(corpus, capsys, tmp_path, monkeypatch):
-    """--peer=FOLDER scores a sentence-transformers model the same way on the same pairs, beside the
-    checkpoint; a hub name with the hub out of reach (a closed port) reads the cache only and says
-    to pass a folder, with sentence-transformers named as optional; so does the package missing."""
+    """--peer=bm25,FOLDER scores BM25 and a sentence-transformers model on the same pairs against
+    the same candidates (one seed draws them for every row), beside the checkpoint; a hub name with
+    the hub out of reach (a closed port) reads the cache only and says to pass a folder, with
+    sentence-transformers named as optional; so does a missing package, bm25s's included."""
     pairs = corpus.data / 'pairs_val.jsonl'
     monkeypatch.setitem(sys.modules, 'sentence_transformers',
                         types.SimpleNamespace(SentenceTransformer=FakePeer))
     code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={corpus.mixer}',
-                              f'--peer={tmp_path}', f'--pairs={pairs}', '--n=8,16',
+                              f'--peer=bm25,{tmp_path}', f'--pairs={pairs}', '--n=8,16',
                               f'--json={tmp_path}/m.json')
     assert code == 0, err
     m = json.loads((tmp_path / 'm.json').read_text())
-    peer = FakePeer(str(tmp_path))
-    expect = retrieve.retrieval_metrics(*(F.normalize(torch.from_numpy(peer.encode(x)), dim=-1)
-                                          for x in retrieve.read_pairs(str(pairs))), (8, 16), 0)
-    assert m['peer'] == expect and set(m['ckpt']) == set(expect)
-    assert out.count('top-1%') == 2 and f'{tmp_path}: 48 pairs' in out
+    queries, targets = retrieve.read_pairs(str(pairs))
+    q, t = (F.normalize(torch.from_numpy(FakePeer(str(tmp_path)).encode(x)), dim=-1)
+            for x in (queries, targets))
+    expect = retrieve.retrieval_metrics(lambda rows: q[rows] @ t.T, len(q), (8, 16), 0)
+    bm25 = retrieve.retrieval_metrics(retrieve.bm25_scorer(queries, targets), len(q), (8, 16), 0)
+    assert m[str(tmp_path)] == expect and m['bm25'] == bm25
+    assert set(m[str(corpus.mixer)]) == set(bm25)
+    assert bm25['top1']['16'] > 50               # the fixture's pairs share their words
+    assert len(out.splitlines()) == 5 and out.startswith('48 pairs from')
+    monkeypatch.setitem(sys.modules, 'bm25s', None)
+    refused(capsys, 'retrieve', ['eval', '--peer=bm25', f'--pairs={pairs}'], 'pip install bm25s')
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         dead = f'http://127.0.0.1:{s.getsockname()[1]}'  # closed once the block ends
