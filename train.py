@@ -90,8 +90,9 @@ def choose_dtype(device, requested='auto', recorded=None, reading=False):
     CPUs. Reading a checkpoint (sample.py, retrieve.py) is float32 on a CPU."""
     cuda = device.type == 'cuda'
     cpu_native = torch.ops.mkldnn._is_mkldnn_bf16_supported() and not os.environ.get(NO_BF16_ENV)
-    native = dict(float32=True, float16=cuda,
-                  bfloat16=torch.cuda.is_bf16_supported() if cuda else cpu_native)
+    # a GPU before compute capability 8.0 (V100, T4) emulates bf16 without tensor cores
+    gpu_bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
+    native = dict(float32=True, float16=cuda, bfloat16=gpu_bf16 if cuda else cpu_native)
     if requested != 'auto':
         if not native[requested]:
             print(f"warning: --dtype={requested} is emulated on this {device.type}: hundreds of "
@@ -102,7 +103,7 @@ def choose_dtype(device, requested='auto', recorded=None, reading=False):
     if native.get(recorded):
         return getattr(torch, recorded), f'the {recorded} of the run it continues'
     if cuda:
-        fp16 = torch.float16, 'fp16 with a GradScaler: this GPU has no bf16'
+        fp16 = torch.float16, 'fp16 with a GradScaler: this GPU has no native bf16'
         return (torch.bfloat16, 'bf16 on this GPU') if native['bfloat16'] else fp16
     cap = torch.backends.cpu.get_cpu_capability()
     fp32 = torch.float32, f'no native bf16 on this CPU ({cap})'

@@ -1,5 +1,5 @@
 """train.py: the loop, DDP == one process, kill -9 + resume, the dtype rule, presets, refusals."""
-import ast, os, re, resource, shutil, subprocess, sys, time
+import ast, os, re, resource, shutil, subprocess, sys, time, types
 
 import numpy as np
 import pytest
@@ -70,11 +70,26 @@ def test_the_dtype_rule(device, native, requested, recorded, reading, want, monk
     """train.choose_dtype on either CPU kind (the capability query mocked, no timing a busy
     machine could flip) and on a GPU with or without bf16 (mocked)."""
     cpu_kind(monkeypatch, native)
-    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: native)
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda including_emulation=True: native)
     assert train.choose_dtype(device, requested, recorded, reading)[0] == want
     assert ('emulated' in capsys.readouterr().err) == (requested == 'bfloat16' and not native)
     monkeypatch.setenv(train.NO_BF16_ENV, '1')  # the switch that tests the fallback everywhere
     assert train.choose_dtype(CPU)[0] == F32
+
+
+@pytest.mark.parametrize('major,minor,want', [(7, 0, F16), (7, 5, F16), (8, 0, B16)])
+def test_auto_on_a_gpu_wants_native_bf16(major, minor, want, monkeypatch):
+    """A V100 (7.0) or T4 (7.5) emulates bf16 without tensor cores: auto trains them in fp16 with a
+    GradScaler; an A100 (8.0) in bf16. The GPU is faked down to the properties torch consults."""
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'current_device', lambda: 0)
+    monkeypatch.setattr(torch.cuda, 'get_device_properties',
+                        lambda device=None: types.SimpleNamespace(major=major, minor=minor))
+    monkeypatch.setattr(torch.cuda, '_check_bf16_tensor_supported', lambda device: True)
+    dtype, why = train.choose_dtype(GPU)
+    assert dtype == want
+    assert why == ('bf16 on this GPU' if want == B16 else
+                   'fp16 with a GradScaler: this GPU has no native bf16')
 
 
 def test_resume_keeps_the_recorded_dtype(data, tmp_path, monkeypatch, capsys):
