@@ -499,6 +499,10 @@ class Batches:
                 raise ValueError(f"{path} is missing or not the {meta[f'{split}_tokens']} tokens "
                                  f"that {data_dir}/meta.json counts: prepare the data again")
             tokens = self.tokens[split] = np.memmap(path, dtype=meta['dtype'], mode='r')
+            if cfg['batch_mode'] == 'packed' and len(tokens) <= self.n:  # a window + its target
+                raise ValueError(f"the {split} split of {data_dir} holds {len(tokens):,} tokens, "
+                                 f"fewer than a window of n_ctx={self.n} and its target: pass a "
+                                 f"smaller --n_ctx, or prepare more text")
             if cfg['batch_mode'] == 'documents':  # rows are n_ctx-token chunks of documents
                 docs = os.path.join(data_dir, f'{split}_docs.npy')
                 if not os.path.isfile(docs):

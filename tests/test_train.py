@@ -303,6 +303,19 @@ def test_a_failed_save_is_one_line_and_keeps_the_last_checkpoint(data, tmp_path)
     assert sorted(os.listdir(tmp_path)) == ['best.pt', 'ckpt.pt', 'log.jsonl']  # no temp file
 
 
+def test_a_split_shorter_than_a_window_is_refused(data, tmp_path, capsys):
+    """A packed window is n_ctx + 1 tokens: a split holding only n_ctx is refused as the data loads,
+    by name, with its count and the way out; one more token is enough."""
+    meta = train.load_meta(data)
+    n = meta['val_tokens']
+    error = refused(capsys, 'train', [f'--data_dir={data}', f'--out_dir={tmp_path}/out', *TINY,
+                                      f'--n_ctx={n}'], '--n_ctx', keep=[data])
+    assert 'val split' in error and f'{n:,} tokens' in error and f'n_ctx={n}' in error, error
+    assert not (tmp_path / 'out').exists()
+    get = train.Batches(dict(train.DEFAULTS, n_ctx=n - 1, batch_size=2), meta, data)
+    assert get('val', None, 0)[0].shape == (2, n - 1)
+
+
 @pytest.mark.parametrize('name,damage', [('train.bin', lambda b: b[:-64]), ('val_docs.npy', None),
                                          ('meta.json', lambda b: b[:len(b) // 2])])
 def test_data_files_must_agree_with_meta(name, damage, data, tmp_path, capsys):
