@@ -215,10 +215,13 @@ setup_runtime = Runtime  # retrieve.py's name for it
 # ----------------------------------------------------------------------------- the loop
 
 def configure_optimizer(model, lr, weight_decay):
-    """AdamW (the paper's betas); weight decay on matrices and mixings, not on biases and norms."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
-              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
+    """AdamW (the paper's betas); weight decay on weights (matrices, embeddings, mixings), none on
+    biases and norms, as nanoGPT."""
+    decay, spare = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:  # by name: a mixing's bias, (heads, n_ctx, 1), has 3 dims
+            (decay if p.dim() >= 2 and not name.endswith('bias') else spare).append(p)
+    groups = [dict(params=decay, weight_decay=weight_decay), dict(params=spare, weight_decay=0.0)]
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), fused=True)
 
 

@@ -217,6 +217,21 @@ def test_every_preset_names_its_source_and_builds(preset):
     assert preset != 'demo.py' or (cfg['max_time'] == 0 and cfg['max_iters'] > 0)
 
 
+@pytest.mark.parametrize('arch', ['mixer', 'hybrid'])
+def test_weight_decay_spares_biases_and_norms(arch):
+    """configure_optimizer decays weights (matrices, embeddings, mixings), not biases, the
+    mixing's (heads, n_ctx, 1) one included, nor norms."""
+    model = train.build_model(ModelConfig(vocab_size=64, n_ctx=8, d_model=16, n_layers=1,
+                                          n_heads=2, arch=arch))
+    decay, spared = train.configure_optimizer(model, 1e-3, 0.1).param_groups
+    assert (decay['weight_decay'], spared['weight_decay']) == (0.1, 0.0)
+    decayed = {id(p) for p in decay['params']}
+    for mod in model.modules():
+        norm = isinstance(mod, (torch.nn.LayerNorm, torch.nn.RMSNorm))
+        for name, p in mod.named_parameters(recurse=False):
+            assert (id(p) in decayed) == (name == 'weight' and not norm), (type(mod), name)
+
+
 def test_lr_schedule():
     cfg = dict(train.DEFAULTS, lr=1.0, min_lr=0.1, warmup_iters=9)
     assert train.get_lr(cfg, 0, 0.0) == pytest.approx(0.1) and train.get_lr(cfg, 9, 0.0) == 1.0
