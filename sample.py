@@ -42,6 +42,7 @@ def sample_args(argv):
     choices = dict(method=('cache', 'window'), dtype=CHOICES['dtype'])
     args = SimpleNamespace(**parse_args(argv, DEFAULTS, __doc__, choices))
     assert args.temperature >= 0, f'--temperature={args.temperature}: use 0 (greedy) or more'
+    assert args.num_samples >= 1, f'--num_samples={args.num_samples}: use 1 or more'
     return args
 
 
