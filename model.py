@@ -387,10 +387,13 @@ class LanguageModel(nn.Module):
 
 
 def sample_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """One token per row of logits (B, V); temperature 0 is greedy."""
+    """One token per row of logits (B, V); temperature 0 is greedy, and a tiny one as good as."""
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits / temperature
+    # the top logit moved to 0: a tiny temperature sends the others to -inf, not all of them to
+    # inf; and kept at or above the smallest normal float, where it would otherwise round to 0
+    floor = torch.finfo(logits.dtype).tiny
+    logits = (logits - logits.amax(-1, keepdim=True)) / max(temperature, floor)
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float('-inf'))
