@@ -104,7 +104,7 @@ class ModelConfig:
     d_model: int = 512
     n_layers: int = 8
     n_heads: int = 0           # 0 = the arch's default: 4 attention heads, 1 mixer head
-    kernel: int = 1            # mixer Conv1d kernel, sliding along d_model (paper §9.2)
+    kernel: int = 1            # mixer Conv1d kernel, sliding along a head's channels (paper §9.2)
     expansion: float = 0.0     # 0 = flat mixer; e > 0 = the MLP-mixer's n -> e*n -> n, GELU between
     n_convs: int = 1           # p > 1: p parallel masked mixings, each through GELU, summed
     softmax: bool = False      # each mixing row a softmax over the positions it may read
@@ -198,9 +198,11 @@ class TokenMixing(nn.Module):
 
 
 class Cache(dict):
-    """Decoding state, keyed by layer: a mixing's inputs, an attention's keys and values, ELiTA's
-    running sums. Without gradients (decoding) rows go into n_ctx-long buffers, written in place;
-    with them (training through a shared pad prefix) rows are concatenated, so gradients flow."""
+    """Decoding state, keyed by the module that reads it (an expanded mixer's layer has two
+    mixings, a hybrid's a mixing and an attention): a mixing's inputs, an attention's keys and
+    values, ELiTA's running sums. Without gradients (decoding) rows go into n_ctx-long buffers,
+    written in place; with them (training through a shared pad prefix) rows are concatenated, so
+    gradients flow."""
 
     def __init__(self, n_ctx):
         super().__init__()

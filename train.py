@@ -86,8 +86,9 @@ NO_BF16_ENV = 'NANOMIXER_NO_BF16'  # set: act as a CPU without native bf16 (test
 def choose_dtype(device, requested='auto', recorded=None, reading=False):
     """The one dtype rule, as (torch dtype, why): an explicit --dtype as asked (warned if emulated,
     hundreds of times slower); auto keeps the dtype a resumed run `recorded` where it is native,
-    else bf16 where native (CPUs with AVX512-BF16 or AMX), fp16 on older GPUs, float32 on other
-    CPUs. Reading a checkpoint (sample.py, retrieve.py) is float32 on a CPU."""
+    else bf16 where native (GPUs of compute capability 8.0 on; CPUs on which oneDNN has bf16
+    kernels: AVX-512 with BW, VL and DQ, or better), fp16 on older GPUs, float32 on other CPUs.
+    Reading a checkpoint (sample.py, retrieve.py) is float32 on a CPU."""
     cuda = device.type == 'cuda'
     cpu_native = torch.ops.mkldnn._is_mkldnn_bf16_supported() and not os.environ.get(NO_BF16_ENV)
     # a GPU before compute capability 8.0 (V100, T4) emulates bf16 without tensor cores
