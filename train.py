@@ -171,7 +171,11 @@ def sync(device):
 def rank_pieces(grad_accum, batch_size, world, rank):
     """This rank's share of a step, as (micro, shard, shards) triples: the grad_accum micro-batches
     are dealt out to the ranks, each cut into `shards` equal row shards where the ranks outnumber
-    them (fit weighs a shard by its share of the real targets): the same step at any world size."""
+    them. Why the step is the same at any world size: each rank backpropagates a piece's loss x
+    weight / len(pieces) and DDP averages the ranks, so each of the grad_accum x shards pieces
+    counts 1 / (grad_accum x shards); a shard's weight in fit, shards x its share of the
+    micro-batch's targets, makes a micro-batch's shards add up to its mean loss, and the step
+    averages the micro-batches, as one process does."""
     shards = world // math.gcd(grad_accum, world)
     if batch_size % shards:
         raise ValueError(f"{world} processes cannot share grad_accum={grad_accum} x batch_size="
