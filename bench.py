@@ -246,6 +246,9 @@ def bench_generate(s):
     a step reads (decode_bytes, averaged over the timed positions) x steps/s. The weights are cast
     to the dtype, not autocast: a step is bound by reading them. window runs at the first batch
     size only (compute-bound: batch B costs B forwards)."""
+    if s.prompt < 1 or s.new_tokens < 2:  # a stream starts from a token; a rate needs two stamps
+        raise ValueError(f"--prompt={s.prompt} --new_tokens={s.new_tokens}: time a prompt of 1 "
+                         f"token or more and 2 new tokens or more")
     bandwidth = read_bandwidth(s.dev)
     print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
     gen = torch.Generator().manual_seed(s.seed)

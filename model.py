@@ -76,6 +76,8 @@ class ConvMixing(Mixing):
     kernel-wide window along the features ('same' padding), weight (heads, kernel, n_out, n_in)."""
 
     def product(self, W, x):
+        # Conv1d's channels are a head's input positions, its length the head's c features; W is
+        # (H, k, R, S), so forward's tril, on the last two dims, has masked every tap alike.
         H, k = W.shape[:2]
         x = F.pad(rearrange(x, 'b h s c -> b (h s) c'), ((k - 1) // 2, k // 2))
         y = F.conv1d(x, rearrange(W, 'h k r s -> (h r) s k'), groups=H)  # (B, H * R, c)
@@ -104,7 +106,7 @@ class ModelConfig:
     d_model: int = 512
     n_layers: int = 8
     n_heads: int = 0           # 0 = the arch's default: 4 attention heads, 1 mixer head
-    kernel: int = 1            # mixer Conv1d kernel, sliding along d_model (paper §9.2)
+    kernel: int = 1            # mixer Conv1d kernel, sliding along a head's channels (paper §9.2)
     expansion: float = 0.0     # 0 = flat mixer; e > 0 = the MLP-mixer's n -> e*n -> n, GELU between
     n_convs: int = 1           # p > 1: p parallel masked mixings, each through GELU, summed
     softmax: bool = False      # each mixing row a softmax over the positions it may read
@@ -198,9 +200,10 @@ class TokenMixing(nn.Module):
 
 
 class Cache(dict):
-    """Decoding state, keyed by layer: a mixing's inputs, an attention's keys and values, ELiTA's
-    running sums. Without gradients (decoding) rows go into n_ctx-long buffers, written in place;
-    with them (training through a shared pad prefix) rows are concatenated, so gradients flow."""
+    """Decoding state, keyed by the module that reads it (an expanded mixer's layer has two
+    mixings, a hybrid's a mixing and an attention): a mixing's inputs, an attention's keys and
+    values, ELiTA's running sums. A mixer caches each mixing's inputs, not its outputs: the output
+    row of a new position reads every input up to it, as a new query reads every key."""
 
     def __init__(self, n_ctx):
         super().__init__()
@@ -210,17 +213,16 @@ class Cache(dict):
         """x (B, H, T, c): rows at [pos, pos + T) -> every row so far (B, H, pos + T, c)."""
         old, end = self.get(key) if pos else None, pos + x.shape[2]
         if torch.is_grad_enabled() or (old is not None and len(old) != len(x)):
-            # concatenate: no in-place writes under autograd; a batch-1 prefix serves every row
-            # (retrieve.trimmed_hidden's shared pad prefix)
+            # Retrieval's shared pad prefix (retrieve.trimmed_hidden): rows are concatenated, as
+            # autograd allows no in-place write, and a batch-1 prefix is expanded over the batch.
             if old is not None:
                 x = torch.cat([old[:, :, :pos].expand(len(x), -1, -1, -1), x], 2)
             self[key] = x
             return x
-        if old is None or old.shape[2] < self.n_ctx:
-            buf = x.new_zeros(*x.shape[:2], self.n_ctx, x.shape[3])
-            if old is not None:
-                buf[:, :, :pos] = old[:, :, :pos]
-            self[key] = old = buf
+
+        # Decoding: rows are written in place into an n_ctx-long buffer made when a window starts.
+        if old is None:
+            self[key] = old = x.new_zeros(*x.shape[:2], self.n_ctx, x.shape[3])
         old[:, :, pos:end] = x
         return old[:, :, :end]
 
@@ -387,10 +389,13 @@ class LanguageModel(nn.Module):
 
 
 def sample_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """One token per row of logits (B, V); temperature 0 is greedy."""
+    """One token per row of logits (B, V); temperature 0 is greedy, and a tiny one as good as."""
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits / temperature
+    # the top logit moved to 0: a tiny temperature sends the others to -inf, not all of them to
+    # inf; and kept at or above the smallest normal float, where it would otherwise round to 0
+    floor = torch.finfo(logits.dtype).tiny
+    logits = (logits - logits.amax(-1, keepdim=True)) / max(temperature, floor)
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float('-inf'))

@@ -118,9 +118,10 @@ def left_pad(seqs, n_ctx, pad_id):
 
 
 def trimmable(cfg):
-    """Whether trimmed_hidden skips a model's pad columns (its docstring says why it is exact)."""
+    """Whether trimmed_hidden skips a model's pad columns (its docstring says why it is exact).
+    Not llama with pos_emb: dropping the pad columns would give each real one another position."""
     return cfg.objective in ('clm', 'mtp2', 'autoencoder') and (
-        cfg.arch == 'llama' or cfg.arch in ('mixer', 'gmlp') and cfg.causal)
+        cfg.arch == 'llama' and not cfg.pos_emb or cfg.arch in ('mixer', 'gmlp') and cfg.causal)
 
 
 def trimmed_hidden(model, idx, mask, at):

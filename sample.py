@@ -9,8 +9,9 @@ Sample text from a model trained with train.py; tokens stream to stdout as they 
 --method picks a decoder of model.py's LanguageModel.stream. `window` is the paper's (§4.2): each
 new token goes to the next position of the n_ctx window and the whole window runs again, O(n^3 d)
 for n tokens. `cache` (default) keeps what each mixing has seen (position t depends only on
-positions <= t), so a new token costs one row of every mixing, O(n^2 d); transformers use their
-KV cache. Both print the same tokens. A full window keeps its last n_ctx/2 tokens and goes on.
+positions <= t), so a new token costs one row of every mixing, O(n d) a layer (O(n^2 d) for n
+tokens); transformers use their KV cache. Both print the same tokens. A full window keeps its
+last n_ctx/2 tokens and goes on.
 """
 import os, sys, time
 from types import SimpleNamespace
@@ -42,6 +43,7 @@ def sample_args(argv):
     choices = dict(method=('cache', 'window'), dtype=CHOICES['dtype'])
     args = SimpleNamespace(**parse_args(argv, DEFAULTS, __doc__, choices))
     assert args.temperature >= 0, f'--temperature={args.temperature}: use 0 (greedy) or more'
+    assert args.num_samples >= 1, f'--num_samples={args.num_samples}: use 1 or more'
     return args
 
 

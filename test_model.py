@@ -377,10 +377,13 @@ def test_slide_reencodes_last_half_window(method):
 
 
 def test_sampling_filters_and_seed():
-    """top_k=1 and a tiny top_p are greedy; every top_k sample lies in the k best logits; a
-    generator seed fixes the sample, with either decoder."""
+    """top_k=1, a tiny top_p and a tiny temperature (logits / T past float32's range, even T
+    itself below it) are greedy; every top_k sample lies in the k best logits; a generator seed
+    fixes the sample, with either decoder."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, VOCAB, generator=g)
+    for t in (1e-45, 1e-300):
+        assert torch.equal(M.sample_token(logits, t, generator=g), logits.argmax(-1))
     assert torch.equal(M.sample_token(logits, 1.0, top_k=1, generator=g), logits.argmax(-1))
     assert torch.equal(M.sample_token(logits, 1.0, top_p=1e-6, generator=g), logits.argmax(-1))
     best5 = logits.topk(5, dim=-1).indices

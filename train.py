@@ -86,12 +86,14 @@ NO_BF16_ENV = 'NANOMIXER_NO_BF16'  # set: act as a CPU without native bf16 (test
 def choose_dtype(device, requested='auto', recorded=None, reading=False):
     """The one dtype rule, as (torch dtype, why): an explicit --dtype as asked (warned if emulated,
     hundreds of times slower); auto keeps the dtype a resumed run `recorded` where it is native,
-    else bf16 where native (CPUs with AVX512-BF16 or AMX), fp16 on older GPUs, float32 on other
-    CPUs. Reading a checkpoint (sample.py, retrieve.py) is float32 on a CPU."""
+    else bf16 where native (GPUs of compute capability 8.0 on; CPUs on which oneDNN has bf16
+    kernels: AVX-512 with BW, VL and DQ, or better), fp16 on older GPUs, float32 on other CPUs.
+    Reading a checkpoint (sample.py, retrieve.py) is float32 on a CPU."""
     cuda = device.type == 'cuda'
     cpu_native = torch.ops.mkldnn._is_mkldnn_bf16_supported() and not os.environ.get(NO_BF16_ENV)
-    native = dict(float32=True, float16=cuda,
-                  bfloat16=torch.cuda.is_bf16_supported() if cuda else cpu_native)
+    # a GPU before compute capability 8.0 (V100, T4) emulates bf16 without tensor cores
+    gpu_bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
+    native = dict(float32=True, float16=cuda, bfloat16=gpu_bf16 if cuda else cpu_native)
     if requested != 'auto':
         if not native[requested]:
             print(f"warning: --dtype={requested} is emulated on this {device.type}: hundreds of "
@@ -102,7 +104,7 @@ def choose_dtype(device, requested='auto', recorded=None, reading=False):
     if native.get(recorded):
         return getattr(torch, recorded), f'the {recorded} of the run it continues'
     if cuda:
-        fp16 = torch.float16, 'fp16 with a GradScaler: this GPU has no bf16'
+        fp16 = torch.float16, 'fp16 with a GradScaler: this GPU has no native bf16'
         return (torch.bfloat16, 'bf16 on this GPU') if native['bfloat16'] else fp16
     cap = torch.backends.cpu.get_cpu_capability()
     fp32 = torch.float32, f'no native bf16 on this CPU ({cap})'
@@ -169,7 +171,11 @@ def sync(device):
 def rank_pieces(grad_accum, batch_size, world, rank):
     """This rank's share of a step, as (micro, shard, shards) triples: the grad_accum micro-batches
     are dealt out to the ranks, each cut into `shards` equal row shards where the ranks outnumber
-    them (fit weighs a shard by its share of the real targets): the same step at any world size."""
+    them. Why the step is the same at any world size: each rank backpropagates a piece's loss x
+    weight / len(pieces) and DDP averages the ranks, so each of the grad_accum x shards pieces
+    counts 1 / (grad_accum x shards); a shard's weight in fit, shards x its share of the
+    micro-batch's targets, makes a micro-batch's shards add up to its mean loss, and the step
+    averages the micro-batches, as one process does."""
     shards = world // math.gcd(grad_accum, world)
     if batch_size % shards:
         raise ValueError(f"{world} processes cannot share grad_accum={grad_accum} x batch_size="
@@ -214,10 +220,13 @@ setup_runtime = Runtime  # retrieve.py's name for it
 # ----------------------------------------------------------------------------- the loop
 
 def configure_optimizer(model, lr, weight_decay):
-    """AdamW (the paper's betas); weight decay on matrices and mixings, not on biases and norms."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
-              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
+    """AdamW (the paper's betas); weight decay on weights (matrices, embeddings, mixings), none on
+    biases and norms, as nanoGPT."""
+    decay, spare = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:  # by name: a mixing's bias, (heads, n_ctx, 1), has 3 dims
+            (decay if p.dim() >= 2 and not name.endswith('bias') else spare).append(p)
+    groups = [dict(params=decay, weight_decay=weight_decay), dict(params=spare, weight_decay=0.0)]
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), fused=True)
 
 
@@ -498,6 +507,10 @@ class Batches:
                 raise ValueError(f"{path} is missing or not the {meta[f'{split}_tokens']} tokens "
                                  f"that {data_dir}/meta.json counts: prepare the data again")
             tokens = self.tokens[split] = np.memmap(path, dtype=meta['dtype'], mode='r')
+            if cfg['batch_mode'] == 'packed' and len(tokens) <= self.n:  # a window + its target
+                raise ValueError(f"the {split} split of {data_dir} holds {len(tokens):,} tokens, "
+                                 f"fewer than a window of n_ctx={self.n} and its target: pass a "
+                                 f"smaller --n_ctx, or prepare more text")
             if cfg['batch_mode'] == 'documents':  # rows are n_ctx-token chunks of documents
                 docs = os.path.join(data_dir, f'{split}_docs.npy')
                 if not os.path.isfile(docs):

@@ -89,6 +89,7 @@ REFUSALS = [
     ('train', ['--max_iter=3'], '--max_iters'),
     *[('train', [*TRAIN, f'--{k}={v}'], k) for k, v in [('max_iters', -1), ('eval_iters', 0)]],
     ('sample', [*SAMPLE, '--temperature=-1'], 'temperature'),
+    ('sample', [*SAMPLE, '--num_samples=0'], 'num_samples'),
     ('sample', [*SAMPLE, '--method=beam'], 'beam'),
     ('sample', [*SAMPLE, '--device=gpu0'], 'gpu0'),
     ('prepare', ['wikipedia', OUT], 'wikipedia'),
@@ -104,6 +105,8 @@ REFUSALS = [
     ('bench', ['throughput', '--archs=rnn'], 'rnn'),
     ('bench', ['race', '--archs=mixer,rnn'], "'rnn'"),
     ('bench', ['generate', *BENCH_TINY, '--prompt=12', '--new_tokens=8'], 'n_ctx'),
+    ('bench', ['generate', *BENCH_TINY, '--prompt=4', '--new_tokens=1'], 'new_tokens'),
+    ('bench', ['generate', *BENCH_TINY, '--prompt=0', '--new_tokens=4'], 'prompt'),
     ('bench', ['represent', '--ckpt={trained}/ckpt.pt', '--layer=3'], 'layer'),
     # each script's own ranges (the command-line layer knows none)
     ('train', ['--data_dir=/nonexistent', '--max_time=-1'], 'max_time'),

@@ -1,5 +1,5 @@
 """train.py: the loop, DDP == one process, kill -9 + resume, the dtype rule, presets, refusals."""
-import ast, os, re, resource, shutil, subprocess, sys, time
+import ast, os, re, resource, shutil, subprocess, sys, time, types
 
 import numpy as np
 import pytest
@@ -70,11 +70,26 @@ def test_the_dtype_rule(device, native, requested, recorded, reading, want, monk
     """train.choose_dtype on either CPU kind (the capability query mocked, no timing a busy
     machine could flip) and on a GPU with or without bf16 (mocked)."""
     cpu_kind(monkeypatch, native)
-    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: native)
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda including_emulation=True: native)
     assert train.choose_dtype(device, requested, recorded, reading)[0] == want
     assert ('emulated' in capsys.readouterr().err) == (requested == 'bfloat16' and not native)
     monkeypatch.setenv(train.NO_BF16_ENV, '1')  # the switch that tests the fallback everywhere
     assert train.choose_dtype(CPU)[0] == F32
+
+
+@pytest.mark.parametrize('major,minor,want', [(7, 0, F16), (7, 5, F16), (8, 0, B16)])
+def test_auto_on_a_gpu_wants_native_bf16(major, minor, want, monkeypatch):
+    """A V100 (7.0) or T4 (7.5) emulates bf16 without tensor cores: auto trains them in fp16 with a
+    GradScaler; an A100 (8.0) in bf16. The GPU is faked down to the properties torch consults."""
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'current_device', lambda: 0)
+    monkeypatch.setattr(torch.cuda, 'get_device_properties',
+                        lambda device=None: types.SimpleNamespace(major=major, minor=minor))
+    monkeypatch.setattr(torch.cuda, '_check_bf16_tensor_supported', lambda device: True)
+    dtype, why = train.choose_dtype(GPU)
+    assert dtype == want
+    assert why == ('bf16 on this GPU' if want == B16 else
+                   'fp16 with a GradScaler: this GPU has no native bf16')
 
 
 def test_resume_keeps_the_recorded_dtype(data, tmp_path, monkeypatch, capsys):
@@ -202,6 +217,21 @@ def test_every_preset_names_its_source_and_builds(preset):
     assert preset != 'demo.py' or (cfg['max_time'] == 0 and cfg['max_iters'] > 0)
 
 
+@pytest.mark.parametrize('arch', ['mixer', 'hybrid'])
+def test_weight_decay_spares_biases_and_norms(arch):
+    """configure_optimizer decays weights (matrices, embeddings, mixings), not biases, the
+    mixing's (heads, n_ctx, 1) one included, nor norms."""
+    model = train.build_model(ModelConfig(vocab_size=64, n_ctx=8, d_model=16, n_layers=1,
+                                          n_heads=2, arch=arch))
+    decay, spared = train.configure_optimizer(model, 1e-3, 0.1).param_groups
+    assert (decay['weight_decay'], spared['weight_decay']) == (0.1, 0.0)
+    decayed = {id(p) for p in decay['params']}
+    for mod in model.modules():
+        norm = isinstance(mod, (torch.nn.LayerNorm, torch.nn.RMSNorm))
+        for name, p in mod.named_parameters(recurse=False):
+            assert (id(p) in decayed) == (name == 'weight' and not norm), (type(mod), name)
+
+
 def test_lr_schedule():
     cfg = dict(train.DEFAULTS, lr=1.0, min_lr=0.1, warmup_iters=9)
     assert train.get_lr(cfg, 0, 0.0) == pytest.approx(0.1) and train.get_lr(cfg, 9, 0.0) == 1.0
@@ -286,6 +316,19 @@ def test_a_failed_save_is_one_line_and_keeps_the_last_checkpoint(data, tmp_path)
     assert re.match(r'error: cannot write \S+(best|ckpt)\.pt \(File too large\)', proc.stderr)
     assert {name: (tmp_path / name).read_bytes() for name in before} == before
     assert sorted(os.listdir(tmp_path)) == ['best.pt', 'ckpt.pt', 'log.jsonl']  # no temp file
+
+
+def test_a_split_shorter_than_a_window_is_refused(data, tmp_path, capsys):
+    """A packed window is n_ctx + 1 tokens: a split holding only n_ctx is refused as the data loads,
+    by name, with its count and the way out; one more token is enough."""
+    meta = train.load_meta(data)
+    n = meta['val_tokens']
+    error = refused(capsys, 'train', [f'--data_dir={data}', f'--out_dir={tmp_path}/out', *TINY,
+                                      f'--n_ctx={n}'], '--n_ctx', keep=[data])
+    assert 'val split' in error and f'{n:,} tokens' in error and f'n_ctx={n}' in error, error
+    assert not (tmp_path / 'out').exists()
+    get = train.Batches(dict(train.DEFAULTS, n_ctx=n - 1, batch_size=2), meta, data)
+    assert get('val', None, 0)[0].shape == (2, n - 1)
 
 
 @pytest.mark.parametrize('name,damage', [('train.bin', lambda b: b[:-64]), ('val_docs.npy', None),
