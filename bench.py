@@ -526,8 +526,8 @@ def race(argv):
 
     out_dir holds ARCH/ (train.py's run), ARCH.out (its console), race.md, race.json (settings,
     curves, table) and race.png. Each ARCH/ckpt.pt can go on to retrieve.py train --init_from
-    (pretrain for it on left-padded documents: --presets=config/retrieval_mixer.py,
-    config/retrieval_llama.py). Ctrl-C stops every run (its checkpoint whole), still writes what
+    (pretrain for it on left-padded documents: --presets=config/codesearch_mixer.py,
+    config/codesearch_llama.py). Ctrl-C stops every run (its checkpoint whole), still writes what
     was measured and exits 130.
     """
     s = race_settings(argv)

@@ -174,14 +174,11 @@ def text_files(patterns, out_dir):
 
 
 def matching(rels, patterns, key):
-    """The paths among rels with a folder or file name, or a leading part (`pkg/sub`), that matches
-    one of the globs; a glob that matches nothing is refused (a typo would change nothing)."""
-    def names(rel):  # 'a/b/c.py' -> a, b, c.py, a/b
-        parts = rel.split('/')
-        return parts + ['/'.join(parts[:i]) for i in range(2, len(parts))]
+    """The paths among rels with a folder or file name that matches one of the globs; a glob that
+    matches nothing is refused (a typo would change nothing)."""
     found = set()
     for pattern in patterns:
-        hits = {rel for rel in rels if any(fnmatch.fnmatch(n, pattern) for n in names(rel))}
+        hits = {rel for rel in rels if fnmatch.filter(rel.split('/'), pattern)}
         if not hits:
             raise ValueError(f'--{key} {pattern!r} matches no file or folder of the input: check '
                              f'its spelling (names and globs, e.g. tests or *.dist-info)')
@@ -396,7 +393,7 @@ def encode(args, documents, total, tokenizer, dtype, pairs):
     with_pairs = SPLITS + ('heldout',) * bool(args.holdout) if pairs else ()
     jsonl = {s: open(path(f'pairs_{s}.jsonl'), 'w', encoding='utf-8') for s in with_pairs}
     starts, tokens = {s: [] for s in SPLITS}, dict.fromkeys(SPLITS, 0)
-    n_pairs, files, held = dict.fromkeys(SPLITS + ('heldout',), 0), set(), 0
+    n_pairs, files = dict.fromkeys(SPLITS + ('heldout',), 0), set()
     bar = tqdm(desc='encoding', total=total, unit='B', unit_scale=True)
 
     def encoded():  # a batch of documents at a time, for the tokenizer to spread over the cores
@@ -415,7 +412,6 @@ def encode(args, documents, total, tokenizer, dtype, pairs):
             files.add(key.split('#')[0])
             bar.update(len(text.encode()))
             if split == 'heldout':  # its pairs only: no token of it is trained or validated on
-                held += 1
                 continue
             ids = np.array([tokenizer.bos_id, *ids, tokenizer.eos_id], dtype=dtype)
             starts[split].append(tokens[split])
@@ -432,8 +428,6 @@ def encode(args, documents, total, tokenizer, dtype, pairs):
     counts |= {f'{s}_docs': len(starts[s]) for s in SPLITS}
     if pairs:
         counts |= {'pairs': pairs} | {f'n_pairs_{s}': n_pairs[s] for s in with_pairs}
-    if args.holdout:
-        counts['heldout_docs'] = held
     return counts, len(files)
 
 
@@ -579,7 +573,7 @@ DEFAULTS = dict(
     vocab_size=0,         # BPE pieces; 0 = the dataset's (4096; fineweb-edu, finemath 8000)
     tokenizer='',         # reuse PATH.model (sentencepiece) or a tiktoken encoding (gpt2, ...)
     input='',             # text dataset: files, folders or globs, comma-separated
-    exclude='',           # leave out files and folders whose name (or a/b path) matches a glob
+    exclude='',           # leave out the files and folders whose name matches a glob (a,b,...)
     holdout='',           # as exclude, but their pairs go to pairs_heldout.jsonl (a test set)
     pairs='',             # retrieval pairs: docstring (pystdlib, text) or ict; '' = the dataset's
     max_docs=0,           # keep the first N training documents (the paper: 2000000); 0 = all

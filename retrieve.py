@@ -39,16 +39,19 @@ EMBED = dict(
     dtype='auto',           # autocast; auto: bf16 where native, else fp32 (embed: the trained one)
     batch_size=32,          # texts per forward pass (train: queries per micro-batch)
     embed_pos=0,            # window position of the embedding; 0: the checkpoint's (else -1)
+    pool='',                # last: the state at embed_pos (the paper) | mean: the mean of the
+                            # text's states; '': the checkpoint's (else last)
 )
 FIT = dict(train.LOOP_DEFAULTS, **EMBED, warmup_iters=20, eval_interval=100, eval_iters=10,
            data_dir='data/pystdlib')  # holds pairs_train.jsonl and pairs_val.jsonl
 TRAIN = dict(
     FIT,
     init_from='',           # train.py's ckpt.pt or best.pt, or resume (continue out_dir/ckpt.pt)
-    out_dir='out-retrieval',
+    out_dir='out-retrieval',  # ckpt.pt (a retrieval checkpoint, eval's --ckpt), log.jsonl
     negatives='inbatch',    # inbatch: B x B logits | paper: each query vs its target + 30 others
                             # (eq. 7), 32B sequences (paper: --batch_size=1 --grad_accum=4)
     symmetric=False,        # inbatch: also each target vs the B queries (CLIP's two-way loss)
+    tau=TAU,                # the temperature of eq. 8 (the paper's 0.02)
     lr=1e-4,                # the paper's retrieval learning rate
     max_iters=1000,
 )
@@ -124,9 +127,18 @@ def trimmable(cfg):
         cfg.arch == 'llama' and not cfg.pos_emb or cfg.arch in ('mixer', 'gmlp') and cfg.causal)
 
 
+def pooled(h, mask, at):
+    """Hidden states h (B, T, d) -> (B, d): the state at position `at`, or (at None) the mean of
+    the real ones, mask (B, T) True on them."""
+    if at is not None:
+        return h[:, at]
+    m = mask[..., None].to(h.dtype)
+    return (h * m).sum(1) / m.sum(1).clamp(min=1)
+
+
 def trimmed_hidden(model, idx, mask, at):
-    """The last hidden states at window position `at` (B, d_model) of left-padded rows idx
-    (B, n_ctx), equal to a full forward's, for less compute: the rows are sorted by length and cut
+    """pooled(last hidden states, mask, at) (B, d_model) of left-padded rows idx (B, n_ctx),
+    equal to a full forward's, for less compute: the rows are sorted by length and cut
     into groups (by dynamic programming: least sum of rows x longest + n_ctx per group), and each
     group runs on its own real columns. Why dropping a group's pad prefix is exact (`trimmable`):
     - a causal masked mixer (mixer, gmlp) reads the pad columns only through their states, which
@@ -137,8 +149,8 @@ def trimmed_hidden(model, idx, mask, at):
       pad columns are dropped outright.
     InfoNCE on short texts in long windows (most columns pad) is what this makes feasible."""
     backbone, n = getattr(model, 'backbone', None) or model.encoder, idx.shape[1]
-    at %= n
-    lengths = mask.sum(1).clamp(min=n - at).cpu()      # a group keeps the columns from `at` on
+    keep = 1 if at is None else n - at % n             # a group keeps the columns from `at` on
+    lengths = mask.sum(1).clamp(min=keep).cpu()
     order = torch.argsort(lengths)
     longest = lengths[order].double().numpy()
     best, start = np.zeros(len(idx) + 1), np.zeros(len(idx) + 1, dtype=np.int64)
@@ -162,29 +174,31 @@ def trimmed_hidden(model, idx, mask, at):
             cache = Cache(n)
             backbone(x[:1, :cut], 0, cache)              # the pad prefix, once
             out = backbone(x[:, cut:], cut, cache)
-        h.append(out[:, at - n])                         # (b - a, d_model)
+        h.append(pooled(out, m[:, n - out.shape[1]:], None if at is None else -keep))  # (b-a, d)
     return torch.cat(h)[torch.argsort(order)]            # back to the batch's order
 
 
 class TextEncoder(torch.nn.Module):
     """A language model as a text encoder: (B, n_ctx) left-padded tokens -> (B, d_model) unit
-    rows, the last hidden state at window position embed_pos (normalize=False: raw). Left padding
-    puts every text's last token at -1, a position a masked mixer (a weight per position) was
-    trained on. trim: pad columns skipped where exact (trimmed_hidden). Its state_dict is the
-    model's, so its checkpoints are ordinary model checkpoints."""
+    rows (normalize=False: raw), the last hidden state at window position embed_pos (pool last)
+    or the mean of the text's last hidden states (pool mean). Left padding puts every text's last
+    token at -1, a position a masked mixer (a weight per position) was trained on. trim: pad
+    columns skipped where exact (trimmed_hidden). Its state_dict is the model's, so its
+    checkpoints are ordinary model checkpoints."""
 
-    def __init__(self, model, embed_pos=-1, trim=True, normalize=True):
+    def __init__(self, model, embed_pos=-1, trim=True, normalize=True, pool='last'):
         super().__init__()
-        self.model, self.embed_pos, self.normalize = model, embed_pos, normalize
+        self.model, self.embed_pos, self.normalize, self.pool = model, embed_pos, normalize, pool
         self.trim = trim and trimmable(model.cfg)
         n = model.cfg.n_ctx
         assert -n <= embed_pos < n, f"embed_pos={embed_pos} is outside the n_ctx={n} window"
 
     def forward(self, idx, mask):
+        at = self.embed_pos if self.pool == 'last' else None
         if self.trim:
-            h = trimmed_hidden(self.model, idx, mask, self.embed_pos)
+            h = trimmed_hidden(self.model, idx, mask, at)
         else:
-            h = self.model.hidden(idx, mask)[:, self.embed_pos]
+            h = pooled(self.model.hidden(idx, mask), mask, at)
         return F.normalize(h.float(), dim=-1) if self.normalize else h.float()
 
     def state_dict(self, *args, **kwargs):
@@ -195,19 +209,20 @@ class TextEncoder(torch.nn.Module):
 
 
 class Embedder:
-    """An 'lm' or 'retrieval' checkpoint's TextEncoder (embed_pos 0: the position it records, else
-    -1) and tokenizer: texts -> unit embeddings (N, d_model), batched, no grad (normalize=False:
-    the raw last hidden states). info: the checkpoint's entries but its weights and optimizer."""
+    """An 'lm' or 'retrieval' checkpoint's TextEncoder (embed_pos 0 and pool '': those it records,
+    else -1 and last) and tokenizer: texts -> unit embeddings (N, d_model), batched, no grad
+    (normalize=False: raw). info: the checkpoint's entries but its weights and optimizer."""
 
     def __init__(self, ckpt_path, device='auto', dtype='auto', batch_size=32, embed_pos=0,
-                 normalize=True):
+                 normalize=True, pool=''):
         ckpt = train.load_checkpoint(ckpt_path)
         self.info = {k: v for k, v in ckpt.items() if k not in ('model', 'optimizer')}
         if ckpt['kind'] not in ('lm', 'retrieval'):
             raise ValueError(f"{ckpt_path} is a {ckpt['kind']!r} checkpoint: embeddings come from "
                              f"an 'lm' (train.py) or 'retrieval' (retrieve.py train) checkpoint")
         self.encoder = TextEncoder(train.model_from_checkpoint(ckpt),
-                                   embed_pos or ckpt.get('embed_pos', -1), normalize=normalize)
+                                   embed_pos or ckpt.get('embed_pos', -1), normalize=normalize,
+                                   pool=pool or ckpt.get('pool', 'last'))
         self.device = train.resolve_device(str(device))
         self.dtype, _ = train.choose_dtype(self.device, dtype, ckpt.get('dtype'), reading=True)
         self.batch_size, self.n_ctx = batch_size, self.encoder.model.cfg.n_ctx
@@ -246,16 +261,16 @@ def sample_candidates(match, n_pool, k, generator):
     return cands, labels
 
 
-def info_nce(q, t, labels, symmetric=False):
-    """Eq. 7 with f = exp(cos / TAU) (eq. 8), averaged over queries. q (B, d) and t unit rows;
+def info_nce(q, t, labels, symmetric=False, tau=TAU):
+    """Eq. 7 with f = exp(cos / tau) (eq. 8), averaged over queries. q (B, d) and t unit rows;
     t (M, d) is shared by all queries (in-batch negatives) or (B, k, d) per query (paper groups);
     labels (B,) index each query's match among its candidates. symmetric (in-batch, as CLIP):
     the mean with the reverse direction, each matching target picking its query among the B."""
     logits = q @ t.T if t.dim() == 2 else torch.einsum('bd,bkd->bk', q, t)
-    loss = F.cross_entropy(logits / TAU, labels)
+    loss = F.cross_entropy(logits / tau, labels)
     if symmetric:
         back = torch.arange(len(labels), device=labels.device)
-        loss = (loss + F.cross_entropy((t[labels] @ q.T) / TAU, back)) / 2
+        loss = (loss + F.cross_entropy((t[labels] @ q.T) / tau, back)) / 2
     return loss
 
 
@@ -299,9 +314,10 @@ def cmd_train(cfg):
     """InfoNCE fine-tuning (paper §6.3) on train.py's loop: DDP, AMP, budgets, exact resume."""
     if cfg['symmetric'] and cfg['negatives'] != 'inbatch':
         raise ValueError("--symmetric=True needs --negatives=inbatch (a paper group has one query)")
+    assert cfg['tau'] > 0, f"--tau={cfg['tau']}: a temperature above 0 (the paper's: 0.02)"
     resuming = cfg['init_from'] == 'resume'
     path = os.path.join(cfg['out_dir'], 'ckpt.pt') if resuming else cfg['init_from']
-    embedder = Embedder(path, 'cpu', embed_pos=cfg['embed_pos'])    # fit moves it to its device
+    embedder = Embedder(path, 'cpu', embed_pos=cfg['embed_pos'], pool=cfg['pool'])  # fit: device
     src, encoder, n_ctx = embedder.info, embedder.encoder, embedder.n_ctx
     if resuming and src['kind'] != 'retrieval':
         raise ValueError(f"{path} is a {src['kind']!r} checkpoint, not one of retrieve.py train's")
@@ -330,10 +346,10 @@ def cmd_train(cfg):
             q, t = e[:len(labels)], e[len(labels):]
             if cfg['negatives'] == 'paper':                  # symmetric is False here
                 t = t.view(len(labels), -1, t.shape[-1])     # (B, 31, d_model): each query's group
-            return info_nce(q, t, labels, symmetric=cfg['symmetric'])
+            return info_nce(q, t, labels, symmetric=cfg['symmetric'], tau=cfg['tau'])
 
         extra = {'kind': 'retrieval', 'model_config': src['model_config'], 'data': src['data'],
-                 'embed_pos': encoder.embed_pos, 'init_from': init_from,
+                 'embed_pos': encoder.embed_pos, 'pool': encoder.pool, 'init_from': init_from,
                  'pairs_dir': os.path.abspath(cfg['data_dir'])}
         stats = train.fit(cfg, rt, encoder, get_batch, loss_fn, extra, resume)
     finally:
@@ -438,7 +454,7 @@ def cmd_eval(cfg):
     ns, device, embedders = int_list(cfg['n'], 'n', low=3), train.resolve_device(cfg['device']), {}
     if cfg['ckpt']:
         embedders[cfg['ckpt']] = Embedder(cfg['ckpt'], device, cfg['dtype'], cfg['batch_size'],
-                                          cfg['embed_pos'])
+                                          cfg['embed_pos'], pool=cfg['pool'])
     for name in cfg['peer'].split(',') if cfg['peer'] else ():  # each loads before any scoring
         embedders[name] = name if name == 'bm25' else peer_embedder(name, device,
                                                                     cfg['batch_size'])
@@ -500,7 +516,7 @@ def cmd_indirect(cfg):
     rt, ckpt = train.setup_runtime(cfg), os.path.abspath(cfg['ckpt'])
     try:
         embedder = Embedder(cfg['ckpt'], rt.device, cfg['dtype'], embed_pos=cfg['embed_pos'],
-                            normalize=cfg['normalize'])
+                            normalize=cfg['normalize'], pool=cfg['pool'])
         d_model = embedder.encoder.model.cfg.d_model
         # normalize: unit rows scaled to unit RMS per component, O(1) inputs whatever d_model
         scale = math.sqrt(d_model) if cfg['normalize'] else 1.0
@@ -523,6 +539,7 @@ def cmd_indirect(cfg):
             model = RetrievalMixer(**mixer)
             extra = {'kind': 'indirect', 'retrieval_mixer': mixer, 'data': embedder.info['data'],
                      'embedder': dict(ckpt=ckpt, embed_pos=embedder.encoder.embed_pos,
+                                      pool=embedder.encoder.pool,
                                       normalize=cfg['normalize'])}
             stats = train.fit(dict(cfg, out_dir=outs[c]), rt, model, get_batch,
                               lambda m, b: m(b[1], b[2])[1], extra)
@@ -546,7 +563,7 @@ def cmd_indirect(cfg):
 def cmd_search(cfg):
     """Embed the documents in memory, a chunk per window, and print the chunks nearest the query."""
     embedder = Embedder(cfg['ckpt'], cfg['device'], cfg['dtype'], cfg['batch_size'],
-                        cfg['embed_pos'])
+                        cfg['embed_pos'], pool=cfg['pool'])
     tok, step = embedder.tok, embedder.n_ctx - 1                 # bos is added to each chunk
     docs = []   # (path, text): each text file, and each UTF-8 file under each folder
     for path in cfg['docs'].split(','):
@@ -584,8 +601,8 @@ COMMANDS = {
     'search': (cmd_search, SEARCH, ('ckpt=out-retrieval/ckpt.pt', 'docs=src/,notes.txt',
                                     'query="parse an ISO date"')),
 }
-CHOICES = dict(negatives=('inbatch', 'paper'), dtype=train.CHOICES['dtype'],
-               schedule=train.CHOICES['schedule'])
+CHOICES = dict(negatives=('inbatch', 'paper'), pool=('', 'last', 'mean'),
+               dtype=train.CHOICES['dtype'], schedule=train.CHOICES['schedule'])
 
 
 def run(argv):

@@ -206,7 +206,9 @@ def test_race_ctrl_c_leaves_no_child_behind(data, tmp_path):
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, 'bench.py'), 'race', *RACE_TINY,
                              f'--data_dir={data}', f'--out_dir={tmp_path}', '--max_time=600',
                              '--eval_seconds=300'], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=ENV, start_new_session=True)
+                            text=True, env=ENV, start_new_session=True,
+                            # a suite started in the background (cmd &) inherits SIGINT ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     logs = [tmp_path / arch / 'log.jsonl' for arch in ('mixer', 'llama')]
     try:
         deadline = time.time() + 120

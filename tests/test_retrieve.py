@@ -56,10 +56,11 @@ TRIM += [dict(n_heads=2, kernel=3, n_convs=2), dict(softmax=True), dict(expansio
 
 
 @pytest.mark.parametrize('variant', TRIM, ids=name)
-@pytest.mark.parametrize('embed_pos', [-1, -2])
-def test_trimmed_padding_equals_the_full_window(variant, embed_pos):
+@pytest.mark.parametrize('embed_pos,pool', [(-1, 'last'), (-2, 'last'), (-1, 'mean')])
+def test_trimmed_padding_equals_the_full_window(variant, embed_pos, pool):
     """TextEncoder's trim (shared pad states for causal mixers, dropped pad columns for llama) gives
-    the full window's embeddings and InfoNCE gradients, running fewer rows where it applies."""
+    the full window's embeddings and InfoNCE gradients, the state at a position or the mean of a
+    text's, running fewer rows where it applies."""
     n = 24
     model = make(tiny(n_ctx=n, **variant))
     gen = torch.Generator().manual_seed(1)
@@ -73,7 +74,7 @@ def test_trimmed_padding_equals_the_full_window(variant, embed_pos):
     hook = first_ffn.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[:2].numel()))
     results = {}
     for trim in (False, True):
-        enc, rows[:] = retrieve.TextEncoder(model, embed_pos, trim), []
+        enc, rows[:] = retrieve.TextEncoder(model, embed_pos, trim, pool=pool), []
         model.zero_grad()
         e = enc(idx, mask)
         retrieve.info_nce(e[:4], e[4:], torch.arange(4), symmetric=True).backward()
@@ -308,13 +309,14 @@ def test_indirect_trains_on_raw_hidden_states(corpus, capsys, tmp_path, monkeypa
 
 
 def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
-    """60 InfoNCE steps from an untrained LM beat chance 3x; the result is an ordinary model
-    checkpoint, and --init_from=resume continues it."""
+    """60 InfoNCE steps (mean-pooled, at another temperature) from an untrained LM beat chance 3x;
+    the result is an ordinary model checkpoint that records its pooling, and --init_from=resume
+    continues it."""
     data, mixer, out_dir = corpus.data, corpus.mixer, tmp_path / 'ret'
     common = [f'--data_dir={data}', f'--out_dir={out_dir}', '--batch_size=16', '--lr=2e-3',
               '--warmup_iters=2', '--eval_interval=20', '--eval_iters=3', '--dtype=float32']
     code, out, err = run_main(capsys, 'retrieve', 'train', f'--init_from={mixer}',
-                              '--max_iters=60', *common)
+                              '--max_iters=60', '--pool=mean', '--tau=0.05', *common)
     assert code == 0, err
     evals = records(out_dir, 'val_loss')
     assert evals[0]['step'] == 0 and evals[-1]['step'] == 60
@@ -325,7 +327,8 @@ def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     # chance is 1 in 47
     assert json.loads((tmp_path / 'm.json').read_text())['top1']['48'] > 3 * 100 / 47
     ckpt = train.load_checkpoint(out_dir / 'ckpt.pt')
-    assert ckpt['kind'] == 'retrieval' and ckpt['embed_pos'] == -1
+    assert ckpt['kind'] == 'retrieval' and ckpt['embed_pos'] == -1 and ckpt['pool'] == 'mean'
+    assert retrieve.Embedder(out_dir / 'ckpt.pt', 'cpu').encoder.pool == 'mean'
     assert ckpt['init_from'] == os.path.abspath(mixer)
     train.model_from_checkpoint(ckpt)                    # loads strictly: the model's own keys
     assert run_main(capsys, 'retrieve', 'train', '--init_from=resume', '--max_iters=70',
