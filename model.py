@@ -210,17 +210,9 @@ class Cache(dict):
         self.n_ctx = n_ctx
 
     def extend(self, key, x, pos):
-        """x (B, H, T, c): rows at [pos, pos + T) -> every row so far (B, H, pos + T, c)."""
+        """x (B, H, T, c): rows at [pos, pos + T) -> every row so far (B, H, pos + T, c), written
+        in place into an n_ctx-long buffer made when a window starts (pos 0)."""
         old, end = self.get(key) if pos else None, pos + x.shape[2]
-        if torch.is_grad_enabled() or (old is not None and len(old) != len(x)):
-            # Retrieval's shared pad prefix (retrieve.trimmed_hidden): rows are concatenated, as
-            # autograd allows no in-place write, and a batch-1 prefix is expanded over the batch.
-            if old is not None:
-                x = torch.cat([old[:, :, :pos].expand(len(x), -1, -1, -1), x], 2)
-            self[key] = x
-            return x
-
-        # Decoding: rows are written in place into an n_ctx-long buffer made when a window starts.
         if old is None:
             self[key] = old = x.new_zeros(*x.shape[:2], self.n_ctx, x.shape[3])
         old[:, :, pos:end] = x

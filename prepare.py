@@ -30,7 +30,7 @@ from configurator import check_out_dir, parse_args, run_main, write_atomic
 
 # ----------------------------------------------------------------------------- corpora
 
-FORMAT = 1                   # bump when outputs change meaning, so older folders are rebuilt
+FORMAT = 2                   # bump when outputs change meaning, so older folders are rebuilt
 TOKENIZER_SAMPLE = 32 << 20  # bytes of training text the BPE tokenizer learns from (about 5 s)
 BATCH_DOCS = 1024            # documents tokenized at once
 EOT = '<|endoftext|>'        # a line holding only this separates documents (TinyStories, text)
@@ -404,7 +404,8 @@ def encode(args, documents, total, tokenizer, dtype, pairs):
         for (split, key, text, summary), ids in encoded():
             if split == 'train' and args.max_tokens and tokens['train'] >= args.max_tokens:
                 break
-            lines = [json.dumps({'query': q, 'target': t}, ensure_ascii=False) + '\n'
+            row = {'path': key.split('#')[0]}  # its file: grep '"path": "pkg/' picks a package
+            lines = [json.dumps({'query': q, 'target': t, **row}, ensure_ascii=False) + '\n'
                      for q, t in document_pairs(pairs, key, text, summary)]
             if lines:
                 jsonl[split].writelines(lines)

@@ -15,7 +15,7 @@ python retrieve.py COMMAND --help lists its keys; train and indirect run train.p
 n counts as Table 1's caption does: one query, its matching target and n-2 non-matching targets,
 so n-1 candidates (chance 1/(n-1)); indirect's c and train's paper negatives count the same way.
 """
-import contextlib, json, math, os, re, sys
+import ast, contextlib, hashlib, json, math, os, re, sys
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import train
-from model import Cache, RetrievalMixer
+from model import RetrievalMixer
 from configurator import (check_output_file, int_list, parse_args, read_text_file, run_main,
                           write_atomic)
 from prepare import Tokenizer, check_online, visible_files
@@ -38,9 +38,10 @@ EMBED = dict(
     device='auto',          # auto (cuda if present), cpu or cuda[:i]
     dtype='auto',           # autocast; auto: bf16 where native, else fp32 (embed: the trained one)
     batch_size=32,          # texts per forward pass (train: queries per micro-batch)
-    embed_pos=0,            # window position of the embedding; 0: the checkpoint's (else -1)
-    pool='',                # last: the state at embed_pos (the paper) | mean: the mean of the
-                            # text's states; '': the checkpoint's (else last)
+    pool='',                # last: the state of a text's last token (the paper) | mean: the
+                            # mean of its tokens' states; '': the checkpoint's (else last)
+    padding='',             # right: a text starts at position 0 | left: it ends at n_ctx - 1 (the
+                            # paper's §6.1); '': the checkpoint's (else right)
 )
 FIT = dict(train.LOOP_DEFAULTS, **EMBED, warmup_iters=20, eval_interval=100, eval_iters=10,
            data_dir='data/pystdlib')  # holds pairs_train.jsonl and pairs_val.jsonl
@@ -83,8 +84,8 @@ SEARCH = dict(
     docs='',                # comma-separated folders and text files
     query='',               # the text to look for
     k=5,                    # how many chunks to print
-    show=300,               # characters of each chunk to print
-    min_chunk=16,           # a document's last chunk under this many tokens joins the one before
+    show=4,                 # lines of each chunk to print
+    index='',               # the chunk embeddings kept between calls; '': CKPT.index beside it
 )
 
 
@@ -110,96 +111,51 @@ def read_pairs(path):
     return queries, targets
 
 
-def left_pad(seqs, n_ctx, pad_id):
-    """Token lists -> idx (B, n_ctx) with the pads first, mask (B, n_ctx) True on real tokens."""
-    seqs = [list(s)[:n_ctx] for s in seqs]       # a long text keeps its start
+def pad(seqs, n_ctx, pad_id, left=False):
+    """Token lists -> idx (B, n_ctx) and mask (B, n_ctx), True on real tokens. A text keeps its
+    first n_ctx tokens; its pads follow it, or come first (left, the paper's §6.1)."""
     idx = torch.full((len(seqs), n_ctx), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), n_ctx, dtype=torch.bool)
     for i, s in enumerate(seqs):
-        idx[i, n_ctx - len(s):] = torch.tensor(s, dtype=torch.long)
-    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
-    return idx, torch.arange(n_ctx) >= n_ctx - lengths[:, None]
-
-
-def trimmable(cfg):
-    """Whether trimmed_hidden skips a model's pad columns (its docstring says why it is exact).
-    Not llama with pos_emb: dropping the pad columns would give each real one another position."""
-    return cfg.objective in ('clm', 'mtp2', 'autoencoder') and (
-        cfg.arch == 'llama' and not cfg.pos_emb or cfg.arch in ('mixer', 'gmlp') and cfg.causal)
-
-
-def pooled(h, mask, at):
-    """Hidden states h (B, T, d) -> (B, d): the state at position `at`, or (at None) the mean of
-    the real ones, mask (B, T) True on them."""
-    if at is not None:
-        return h[:, at]
-    m = mask[..., None].to(h.dtype)
-    return (h * m).sum(1) / m.sum(1).clamp(min=1)
-
-
-def trimmed_hidden(model, idx, mask, at):
-    """pooled(last hidden states, mask, at) (B, d_model) of left-padded rows idx (B, n_ctx),
-    equal to a full forward's, for less compute: the rows are sorted by length and cut
-    into groups (by dynamic programming: least sum of rows x longest + n_ctx per group), and each
-    group runs on its own real columns. Why dropping a group's pad prefix is exact (`trimmable`):
-    - a causal masked mixer (mixer, gmlp) reads the pad columns only through their states, which
-      are the same in every row (the same pad token at the same positions, unmasked: a masked
-      mixer ignores the mask): one batch-1 pass over them fills a Cache whose rows every sequence
-      of the group reads (Cache.extend concatenates them, so gradients flow through the prefix);
-    - llama masks pad keys out of attention and RoPE depends on relative positions only, so the
-      pad columns are dropped outright.
-    InfoNCE on short texts in long windows (most columns pad) is what this makes feasible."""
-    backbone, n = getattr(model, 'backbone', None) or model.encoder, idx.shape[1]
-    keep = 1 if at is None else n - at % n             # a group keeps the columns from `at` on
-    lengths = mask.sum(1).clamp(min=keep).cpu()
-    order = torch.argsort(lengths)
-    longest = lengths[order].double().numpy()
-    best, start = np.zeros(len(idx) + 1), np.zeros(len(idx) + 1, dtype=np.int64)
-    for j in range(1, len(idx) + 1):   # best[j]: rows [0, j) grouped; the last group from start[j]
-        cost = best[:j] + (j - np.arange(j)) * longest[j - 1] + n
-        start[j] = int(cost.argmin())
-        best[j] = cost[start[j]]
-    ends = [len(idx)]
-    while ends[0]:
-        ends.insert(0, int(start[ends[0]]))
-    order, h = order.to(idx.device), []
-    for a, b in zip(ends, ends[1:]):
-        x, m = idx[order[a:b]], mask[order[a:b]]
-        cut = n - int(longest[b - 1])                    # the group's shared pad columns
-        assert not m[:, :cut].any() and (x[:, :cut] == x[:1, :cut]).all(), "pad the left alike"
-        if cut == 0:
-            out = backbone(x, mask=m)
-        elif model.cfg.arch == 'llama':
-            out = backbone(x[:, cut:], mask=m[:, cut:])
-        else:
-            cache = Cache(n)
-            backbone(x[:1, :cut], 0, cache)              # the pad prefix, once
-            out = backbone(x[:, cut:], cut, cache)
-        h.append(pooled(out, m[:, n - out.shape[1]:], None if at is None else -keep))  # (b-a, d)
-    return torch.cat(h)[torch.argsort(order)]            # back to the batch's order
+        s = list(s)[:n_ctx]
+        cols = slice(n_ctx - len(s), n_ctx) if left else slice(0, len(s))
+        idx[i, cols], mask[i, cols] = torch.tensor(s, dtype=torch.long), True
+    return idx, mask
 
 
 class TextEncoder(torch.nn.Module):
-    """A language model as a text encoder: (B, n_ctx) left-padded tokens -> (B, d_model) unit
-    rows (normalize=False: raw), the last hidden state at window position embed_pos (pool last)
-    or the mean of the text's last hidden states (pool mean). Left padding puts every text's last
-    token at -1, a position a masked mixer (a weight per position) was trained on. trim: pad
-    columns skipped where exact (trimmed_hidden). Its state_dict is the model's, so its
-    checkpoints are ordinary model checkpoints."""
+    """A language model as a text encoder: padded texts idx (B, n_ctx), mask (B, n_ctx) True on
+    their tokens -> (B, d_model) unit rows (normalize=False: raw), pooled from the last hidden
+    states of a text's own tokens: the last one's (pool last) or their mean (pool mean).
 
-    def __init__(self, model, embed_pos=-1, trim=True, normalize=True, pool='last'):
+    What happens to the pads. Right padding (the default): a text starts at position 0 and its
+    pads come after it. No token of a causal encoder reads a later position, so the pads change
+    nothing, and the batch runs only as far as its longest text: each embedding is that of the
+    text alone. Encoders that read ahead (causal=False, objectives bidirectional and half) run the
+    whole window, so that an embedding does not depend on the other texts of its batch. Left
+    padding (the paper's §6.1) ends every text at window position n_ctx - 1, one position for a
+    mixer's per-position weights; there the text reads the pads before it (attention masks them
+    as keys, a masked mixer mixes them in, as in the paper), and the whole window runs.
+    Its state_dict is the model's, so its checkpoints are ordinary model checkpoints."""
+
+    def __init__(self, model, pool='last', padding='right', normalize=True):
         super().__init__()
-        self.model, self.embed_pos, self.normalize, self.pool = model, embed_pos, normalize, pool
-        self.trim = trim and trimmable(model.cfg)
-        n = model.cfg.n_ctx
-        assert -n <= embed_pos < n, f"embed_pos={embed_pos} is outside the n_ctx={n} window"
+        self.model, self.pool, self.padding, self.normalize = model, pool, padding, normalize
+        cfg = model.cfg
+        causal = cfg.causal and cfg.objective in ('clm', 'mtp2', 'autoencoder')
+        self.cut = padding == 'right' and causal
 
     def forward(self, idx, mask):
-        at = self.embed_pos if self.pool == 'last' else None
-        if self.trim:
-            h = trimmed_hidden(self.model, idx, mask, at)
-        else:
-            h = pooled(self.model.hidden(idx, mask), mask, at)
-        return F.normalize(h.float(), dim=-1) if self.normalize else h.float()
+        if self.cut:  # the columns after the longest text hold pads only
+            longest = int(mask.sum(1).max())
+            idx, mask = idx[:, :longest], mask[:, :longest]
+        h = self.model.hidden(idx, mask).float()                 # (B, T, d_model)
+        if self.pool == 'mean':
+            m = mask[..., None].float()
+            h = (h * m).sum(1) / m.sum(1)
+        else:  # the last token of each text: where its count of tokens first peaks
+            h = h[torch.arange(len(h)), mask.cumsum(1).argmax(1)]
+        return F.normalize(h, dim=-1) if self.normalize else h
 
     def state_dict(self, *args, **kwargs):
         return self.model.state_dict(*args, **kwargs)
@@ -209,20 +165,21 @@ class TextEncoder(torch.nn.Module):
 
 
 class Embedder:
-    """An 'lm' or 'retrieval' checkpoint's TextEncoder (embed_pos 0 and pool '': those it records,
-    else -1 and last) and tokenizer: texts -> unit embeddings (N, d_model), batched, no grad
+    """An 'lm' or 'retrieval' checkpoint's TextEncoder (pool and padding '': those it records,
+    else last and right) and tokenizer: texts -> unit embeddings (N, d_model), batched, no grad
     (normalize=False: raw). info: the checkpoint's entries but its weights and optimizer."""
 
-    def __init__(self, ckpt_path, device='auto', dtype='auto', batch_size=32, embed_pos=0,
-                 normalize=True, pool=''):
+    def __init__(self, ckpt_path, device='auto', dtype='auto', batch_size=32, pool='',
+                 padding='', normalize=True):
         ckpt = train.load_checkpoint(ckpt_path)
         self.info = {k: v for k, v in ckpt.items() if k not in ('model', 'optimizer')}
         if ckpt['kind'] not in ('lm', 'retrieval'):
             raise ValueError(f"{ckpt_path} is a {ckpt['kind']!r} checkpoint: embeddings come from "
                              f"an 'lm' (train.py) or 'retrieval' (retrieve.py train) checkpoint")
+        # retrieval checkpoints that record no padding (they record embed_pos) were left-padded
+        padding = padding or ckpt.get('padding', 'left' if 'embed_pos' in ckpt else 'right')
         self.encoder = TextEncoder(train.model_from_checkpoint(ckpt),
-                                   embed_pos or ckpt.get('embed_pos', -1), normalize=normalize,
-                                   pool=pool or ckpt.get('pool', 'last'))
+                                   pool or ckpt.get('pool', 'last'), padding, normalize)
         self.device = train.resolve_device(str(device))
         self.dtype, _ = train.choose_dtype(self.device, dtype, ckpt.get('dtype'), reading=True)
         self.batch_size, self.n_ctx = batch_size, self.encoder.model.cfg.n_ctx
@@ -231,15 +188,19 @@ class Embedder:
 
     @torch.no_grad()
     def embed_tokens(self, seqs):
-        out = []
+        """Token lists -> (N, d_model), batched in order of length (a batch runs to its longest)."""
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+        out = torch.empty(len(seqs), self.encoder.model.cfg.d_model)
         with tqdm(total=len(seqs), desc='embedding', unit='text', leave=False,
                   disable=os.environ.get('RANK', '0') != '0') as bar:  # DDP: rank 0 shows it
-            for i in range(0, len(seqs), self.batch_size):
-                idx, mask = left_pad(seqs[i:i + self.batch_size], self.n_ctx, self.tok.pad_id)
+            for a in range(0, len(seqs), self.batch_size):
+                rows = order[a:a + self.batch_size]
+                idx, mask = pad([seqs[i] for i in rows], self.n_ctx, self.tok.pad_id,
+                                self.encoder.padding == 'left')
                 with train.autocast(self.device, self.dtype):
-                    out.append(self.encoder(idx.to(self.device), mask.to(self.device)).cpu())
-                bar.update(len(idx))
-        return torch.cat(out)
+                    out[rows] = self.encoder(idx.to(self.device), mask.to(self.device)).cpu()
+                bar.update(len(rows))
+        return out
 
     def __call__(self, texts):  # str list -> (N, d_model) float32; bos first, as in pretraining
         return self.embed_tokens([self.tok.encode(t, bos=True) for t in texts])
@@ -281,8 +242,8 @@ class PairBatches:
     their candidate targets after them: B targets (inbatch) or B groups of 31 (paper, Algorithm 1
     on token sequences). Micro-batch `micro` of `step` depends on nothing else (exact resume)."""
 
-    def __init__(self, cfg, tok, n_ctx):
-        self.cfg, self.n_ctx, self.pad, self.pairs = cfg, n_ctx, tok.pad_id, {}
+    def __init__(self, cfg, tok, n_ctx, left=False):
+        self.cfg, self.n_ctx, self.pad, self.left, self.pairs = cfg, n_ctx, tok.pad_id, left, {}
         need = max(cfg['batch_size'], PAPER_N - 1 if cfg['negatives'] == 'paper' else 1)
         for split in train.SPLITS:
             path = os.path.join(cfg['data_dir'], f'pairs_{split}.jsonl')
@@ -307,7 +268,7 @@ class PairBatches:
                                               gen)
             rows, labels = cands[mine].flatten().tolist(), labels[mine]
         seqs = [queries[i] for i in match[mine]] + [targets[i] for i in rows]
-        return (*left_pad(seqs, self.n_ctx, self.pad), labels)
+        return (*pad(seqs, self.n_ctx, self.pad, self.left), labels)
 
 
 def cmd_train(cfg):
@@ -317,7 +278,7 @@ def cmd_train(cfg):
     assert cfg['tau'] > 0, f"--tau={cfg['tau']}: a temperature above 0 (the paper's: 0.02)"
     resuming = cfg['init_from'] == 'resume'
     path = os.path.join(cfg['out_dir'], 'ckpt.pt') if resuming else cfg['init_from']
-    embedder = Embedder(path, 'cpu', embed_pos=cfg['embed_pos'], pool=cfg['pool'])  # fit: device
+    embedder = Embedder(path, 'cpu', pool=cfg['pool'], padding=cfg['padding'])  # fit: device
     src, encoder, n_ctx = embedder.info, embedder.encoder, embedder.n_ctx
     if resuming and src['kind'] != 'retrieval':
         raise ValueError(f"{path} is a {src['kind']!r} checkpoint, not one of retrieve.py train's")
@@ -329,7 +290,7 @@ def cmd_train(cfg):
     assert not cfg['symmetric'] or cfg['grad_accum'] % rt.world == 0, \
         "--symmetric scores whole micro-batches: use a grad_accum divisible by the processes"
     try:
-        get_batch = PairBatches(cfg, embedder.tok, n_ctx)
+        get_batch = PairBatches(cfg, embedder.tok, n_ctx, encoder.padding == 'left')
         # freeze what embeddings do not use (lm head, a decoder): AdamW and DDP skip it
         encoder(torch.zeros(1, n_ctx, dtype=torch.long),
                 torch.ones(1, n_ctx, dtype=torch.bool)).sum().backward()
@@ -341,15 +302,15 @@ def cmd_train(cfg):
             print(f"InfoNCE from {init_from}: {n / 1e6:.2f}M trainable parameters, {rt.describe()}")
 
         def loss_fn(model, batch):
-            idx, mask, labels = batch
-            e = model(idx, mask)                             # (M, d_model): queries, then targets
-            q, t = e[:len(labels)], e[len(labels):]
+            idx, mask, labels = batch             # the queries, then their candidate targets
+            b = len(labels)                       # two passes: each runs to its own longest text
+            q, t = model(idx[:b], mask[:b]), model(idx[b:], mask[b:])     # (b, d), (M - b, d)
             if cfg['negatives'] == 'paper':                  # symmetric is False here
                 t = t.view(len(labels), -1, t.shape[-1])     # (B, 31, d_model): each query's group
             return info_nce(q, t, labels, symmetric=cfg['symmetric'], tau=cfg['tau'])
 
         extra = {'kind': 'retrieval', 'model_config': src['model_config'], 'data': src['data'],
-                 'embed_pos': encoder.embed_pos, 'pool': encoder.pool, 'init_from': init_from,
+                 'pool': encoder.pool, 'padding': encoder.padding, 'init_from': init_from,
                  'pairs_dir': os.path.abspath(cfg['data_dir'])}
         stats = train.fit(cfg, rt, encoder, get_batch, loss_fn, extra, resume)
     finally:
@@ -454,7 +415,7 @@ def cmd_eval(cfg):
     ns, device, embedders = int_list(cfg['n'], 'n', low=3), train.resolve_device(cfg['device']), {}
     if cfg['ckpt']:
         embedders[cfg['ckpt']] = Embedder(cfg['ckpt'], device, cfg['dtype'], cfg['batch_size'],
-                                          cfg['embed_pos'], pool=cfg['pool'])
+                                          cfg['pool'], cfg['padding'])
     for name in cfg['peer'].split(',') if cfg['peer'] else ():  # each loads before any scoring
         embedders[name] = name if name == 'bm25' else peer_embedder(name, device,
                                                                     cfg['batch_size'])
@@ -515,7 +476,7 @@ def cmd_indirect(cfg):
         train.check_run_dir(folder, True, cfg['overwrite'], resumable=False)
     rt, ckpt = train.setup_runtime(cfg), os.path.abspath(cfg['ckpt'])
     try:
-        embedder = Embedder(cfg['ckpt'], rt.device, cfg['dtype'], embed_pos=cfg['embed_pos'],
+        embedder = Embedder(cfg['ckpt'], rt.device, cfg['dtype'], padding=cfg['padding'],
                             normalize=cfg['normalize'], pool=cfg['pool'])
         d_model = embedder.encoder.model.cfg.d_model
         # normalize: unit rows scaled to unit RMS per component, O(1) inputs whatever d_model
@@ -538,7 +499,7 @@ def cmd_indirect(cfg):
             mixer = dict(d_model=d_model, n_layers=cfg['n_layers'], c=c)
             model = RetrievalMixer(**mixer)
             extra = {'kind': 'indirect', 'retrieval_mixer': mixer, 'data': embedder.info['data'],
-                     'embedder': dict(ckpt=ckpt, embed_pos=embedder.encoder.embed_pos,
+                     'embedder': dict(ckpt=ckpt, padding=embedder.encoder.padding,
                                       pool=embedder.encoder.pool,
                                       normalize=cfg['normalize'])}
             stats = train.fit(dict(cfg, out_dir=outs[c]), rt, model, get_batch,
@@ -560,35 +521,102 @@ def cmd_indirect(cfg):
 
 # ----------------------------------------------------------------------------- search
 
+def python_spans(source, n_lines):
+    """A Python file's lines as (first, last) spans, 1-based, in order: each function, each method
+    (a class's other lines are a span of their own) and each run of lines between them; None if it
+    does not parse."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    owner = [0] * (n_lines + 1)  # owner[line]: the definition it belongs to, 0 = the module
+
+    def claim(body):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                owner[first:node.end_lineno + 1] = [id(node)] * (node.end_lineno + 1 - first)
+                if isinstance(node, ast.ClassDef):
+                    claim(node.body)                     # its methods are spans of their own
+    claim(tree.body)
+    starts = [i for i in range(1, n_lines + 1) if i == 1 or owner[i] != owner[i - 1]]
+    return list(zip(starts, [i - 1 for i in starts[1:]] + [n_lines]))
+
+
+def chunks_of(path, text, tok, budget):
+    """A file's chunks as (first, last) line spans, 1-based, never a partial line: for Python the
+    spans of python_spans, for other text the whole file, each cut at line boundaries into pieces
+    of at most `budget` tokens (a longer single line stays whole); blank pieces are dropped."""
+    lines = text.splitlines(keepends=True)
+    spans = (python_spans(text, len(lines)) if path.endswith('.py') else None) or [(1, len(lines))]
+    sizes = [len(ids) for ids in tok.encode_batch(lines)] if lines else []
+    chunks = []
+    for first, last in spans:
+        start, used = first, 0
+        for i in range(first, last + 1):
+            if used and used + sizes[i - 1] > budget:
+                chunks.append((start, i - 1))
+                start, used = i, 0
+            used += sizes[i - 1]
+        chunks.append((start, last))
+    return [(a, b) for a, b in chunks if ''.join(lines[a - 1:b]).strip()]
+
+
+def search_index(embedder, files, path, key):
+    """The chunks of `files` ({path: text}) and their embeddings, kept in the index file `path`
+    from one call to the next: {'key': key, 'files': {absolute path: (sha256 of its text, spans
+    (k, 2), embeddings (k, d_model))}}. A file is embedded again only when its text has changed,
+    a new one is added, and the index is written back (whole) when anything was embedded.
+    key names the checkpoint, pool and padding: another's index is refused, never used."""
+    index = {'key': key, 'files': {}}
+    if os.path.exists(path):
+        index = torch.load(path, weights_only=True)
+        if index.get('key') != key:
+            raise ValueError(f"the index {path} was built by another checkpoint, or with other "
+                             f"--pool/--padding: delete it, or pass another --index")
+    todo = {}   # path: (sha256, spans) of the files to embed
+    for f, text in files.items():
+        sha = hashlib.sha256(text.encode()).hexdigest()
+        if index['files'].get(os.path.abspath(f), ('',))[0] != sha:
+            todo[f] = sha, chunks_of(f, text, embedder.tok, embedder.n_ctx - 1)  # bos first
+    seqs = []
+    for f, (_, spans) in todo.items():
+        lines = files[f].splitlines(keepends=True)
+        seqs += [[embedder.tok.bos_id] + embedder.tok.encode(''.join(lines[a - 1:b]))
+                 for a, b in spans]
+    emb = embedder.embed_tokens(seqs) if seqs else None           # (chunks, d_model) unit rows
+    for f, (sha, spans) in todo.items():
+        rows, emb = emb[:len(spans)], emb[len(spans):]
+        index['files'][os.path.abspath(f)] = sha, torch.tensor(spans).view(-1, 2), rows
+    if todo:
+        write_atomic(path, lambda out: torch.save(index, out))
+    return {f: index['files'][os.path.abspath(f)] for f in files}, len(seqs)
+
+
 def cmd_search(cfg):
-    """Embed the documents in memory, a chunk per window, and print the chunks nearest the query."""
+    """The chunks of --docs (functions, methods, runs of lines) nearest the query; a file's chunks
+    are embedded once and kept in the index until its text changes."""
     embedder = Embedder(cfg['ckpt'], cfg['device'], cfg['dtype'], cfg['batch_size'],
-                        cfg['embed_pos'], pool=cfg['pool'])
-    tok, step = embedder.tok, embedder.n_ctx - 1                 # bos is added to each chunk
-    docs = []   # (path, text): each text file, and each UTF-8 file under each folder
+                        cfg['pool'], cfg['padding'])
+    files = {}   # path: text; each text file, and each UTF-8 file under each folder
     for path in cfg['docs'].split(','):
-        if os.path.isdir(path):
-            for f in visible_files(path):                         # hidden entries left out
-                with contextlib.suppress(ValueError):             # not UTF-8: a binary file
-                    docs.append((f, read_text_file(f, 'document')))
-        else:
-            docs.append((path, read_text_file(path, 'document')))
-    chunks, seqs = [], []
-    for source, text in docs:
-        ids = tok.encode(text)
-        starts = list(range(0, max(len(ids), 1), step))
-        if len(starts) > 1 and len(ids) - starts[-1] < cfg['min_chunk']:
-            starts.pop()   # a tiny tail, which cosines rank high, is shown with the chunk before it
-        for a, b in zip(starts, starts[1:] + [len(ids)]):
-            chunks.append((source, a, tok.decode(ids[a:b])))
-            seqs.append([tok.bos_id] + ids[a:a + step])          # a chunk's embedding: its window
-    assert chunks, f"no text documents in --docs={cfg['docs']}"
-    emb = embedder.embed_tokens(seqs)                            # (chunks, d_model) unit rows
-    top = (emb @ embedder([cfg['query']])[0]).topk(min(cfg['k'], len(chunks)))  # the best cosines
+        for f in visible_files(path) if os.path.isdir(path) else [path]:  # hidden ones left out
+            with contextlib.suppress(ValueError):                          # not UTF-8: binary
+                files[f] = read_text_file(f, 'document')
+    with open(cfg['ckpt'], 'rb') as f:
+        key = ' '.join([hashlib.file_digest(f, 'sha256').hexdigest(), embedder.encoder.pool,
+                        embedder.encoder.padding])
+    found, embedded = search_index(embedder, files, cfg['index'] or cfg['ckpt'] + '.index', key)
+    hits = [(f, span) for f, (_, spans, _) in found.items() for span in spans.tolist()]
+    assert hits, f"no text in --docs={cfg['docs']}"
+    emb = torch.cat([rows for _, _, rows in found.values()])     # (chunks, d_model) unit rows
+    top = (emb @ embedder([cfg['query']])[0]).topk(min(cfg['k'], len(hits)))  # the best cosines
+    print(f"{len(hits):,} chunks in {len(files):,} files ({embedded:,} embedded now)")
     for rank, (score, i) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
-        source, offset, text = chunks[i]
-        print(f"{rank}. {score:.3f}  {source} @ token {offset}")
-        print('   ' + text[:cfg['show']].replace('\n', '\n   '))
+        f, (a, b) = hits[i]
+        print(f"{rank}. {score:.3f}  {f}:{a}-{b}")
+        for line in files[f].splitlines()[a - 1:min(b, a - 1 + cfg['show'])]:
+            print('   ' + line)
     return 0
 
 

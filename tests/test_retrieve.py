@@ -45,55 +45,57 @@ def builds(variant):  # ModelConfig refuses combinations that do not exist
     return True
 
 
-# every arch x objective x causality x way of giving positions that builds (a trim that moves the
-# positions fails the comparison), then the mixing's own variants
+# every arch x objective x causality x way of giving positions that builds, then the mixing's
+# own variants
 POSITIONS = [dict(), dict(pos_emb=True), dict(pos_channel='input'), dict(pos_channel='every')]
-TRIM = [v for v in (dict(arch=a, objective=o, causal=c, **p) for a in M.ARCHS
-                    for o in ('clm', 'mtp2', 'autoencoder', 'half') for c in (True, False)
-                    for p in POSITIONS) if builds(v)]
-TRIM += [dict(n_heads=2, kernel=3, n_convs=2), dict(softmax=True), dict(expansion=0.5),
-         dict(expansion=2.0, kernel=3)]
+ENCODERS = [v for v in (dict(arch=a, objective=o, causal=c, **p) for a in M.ARCHS
+                        for o in ('clm', 'mtp2', 'autoencoder', 'half') for c in (True, False)
+                        for p in POSITIONS) if builds(v)]
+ENCODERS += [dict(n_heads=2, kernel=3, n_convs=2), dict(softmax=True), dict(expansion=0.5),
+             dict(expansion=2.0, kernel=3)]
 
 
-@pytest.mark.parametrize('variant', TRIM, ids=name)
-@pytest.mark.parametrize('embed_pos,pool', [(-1, 'last'), (-2, 'last'), (-1, 'mean')])
-def test_trimmed_padding_equals_the_full_window(variant, embed_pos, pool):
-    """TextEncoder's trim (shared pad states for causal mixers, dropped pad columns for llama) gives
-    the full window's embeddings and InfoNCE gradients, the state at a position or the mean of a
-    text's, running fewer rows where it applies."""
-    n = 24
+@pytest.mark.parametrize('variant', ENCODERS, ids=name)
+@pytest.mark.parametrize('pool', ['last', 'mean'])
+def test_a_right_padded_text_embeds_as_the_text_alone(variant, pool):
+    """What happens to pads: in a causal encoder a text in a batch, its pads after it, gets the
+    embedding and the InfoNCE gradients of the text alone, unpadded, and the batch runs only to
+    its longest text; an encoder that reads ahead runs the whole window, the same for a text
+    whatever else is in its batch."""
+    n, lengths = 24, [1, 3, 17, 5, 2, 9, 4, 12]  # short queries, longer targets, none fills n
     model = make(tiny(n_ctx=n, **variant))
     gen = torch.Generator().manual_seed(1)
-    lengths = [1, 3, 17, 5, 2, 9, 4, 12]  # short queries, longer targets, none fills the window
-    idx, mask = retrieve.left_pad([torch.randint(4, V, (k,),
-                                                 generator=gen).tolist() for k in lengths], n, 3)
-    rows = []
+    seqs = [torch.randint(4, V, (k,), generator=gen).tolist() for k in lengths]
+    enc = retrieve.TextEncoder(model, pool)
     stack = model.encoder if variant.get('objective') == 'autoencoder' else model.backbone
-    first_ffn = stack.blocks[0]
-    first_ffn = first_ffn.ffn or first_ffn.mixers[-1]  # gmlp: the gated MLP is the block
+    first_ffn = stack.blocks[0].ffn or stack.blocks[0].mixers[-1]  # gmlp: the gated MLP
+    rows = []
     hook = first_ffn.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[:2].numel()))
-    results = {}
-    for trim in (False, True):
-        enc, rows[:] = retrieve.TextEncoder(model, embed_pos, trim, pool=pool), []
+    results = []
+    for batch in ([seqs], [[s] for s in seqs]):            # together, then each alone
         model.zero_grad()
-        e = enc(idx, mask)
+        rows.clear()
+        e = torch.cat([enc(*retrieve.pad(b, n, 3)) for b in batch])
         retrieve.info_nce(e[:4], e[4:], torch.arange(4), symmetric=True).backward()
-        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-        results[trim] = e.detach(), grads, sum(rows)
+        results.append((e.detach(), [p.grad.clone() for p in model.parameters()
+                                     if p.grad is not None], sum(rows)))
     hook.remove()
-    (e0, g0, rows0), (e1, g1, rows1) = results[False], results[True]
-    # float64 models; RoPE's tables are float32
-    torch.testing.assert_close(e1, e0, rtol=1e-6, atol=1e-6)
+    (e0, g0, rows0), (e1, g1, rows1) = results
+    # float64 models pooled in float32 (the encoder's output dtype): float32's rounding
+    torch.testing.assert_close(e0, e1, rtol=1e-6, atol=1e-6)
     scale = max(float(a.abs().max()) for a in g0)
     assert len(g0) == len(g1)
-    for a, b in zip(g0, g1):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7 * scale)
-    # half blanks from half the input's length: a shorter pass moves it
-    arch, causal = variant.get('arch', 'mixer'), variant.get('causal', True)
-    trims = variant.get('objective') != 'half' and (
-        arch == 'llama' and not variant.get('pos_emb') or arch in ('mixer', 'gmlp') and causal)
-    assert retrieve.TextEncoder(model, embed_pos).trim == trims
-    assert rows0 == 8 * n and (rows1 < 8 * 17 if trims else rows1 == rows0), (rows0, rows1)
+    for a, b in zip(g0, g1):   # through InfoNCE at tau 0.02, in float32
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7 * scale)
+    reads_ahead = not variant.get('causal', True) or variant.get('objective') == 'half'
+    assert enc.cut != reads_ahead
+    assert rows0 == 8 * (n if reads_ahead else 17)
+    assert rows1 == 8 * n if reads_ahead else rows1 == sum(lengths)
+    for s, e in zip(seqs, e0):   # alone and unpadded, pooled by hand
+        h = model.hidden(torch.tensor([s]))[0].detach().float()        # (len, d_model)
+        want = F.normalize(h[-1] if pool == 'last' else h.mean(0), dim=-1)
+        if not reads_ahead:
+            torch.testing.assert_close(e, want, rtol=1e-6, atol=1e-6)
 
 
 def chi2(labels, k):
@@ -129,15 +131,15 @@ def test_samplers_place_the_match_once_uniformly_among_distinct_negatives():
 @pytest.mark.parametrize('negatives', ['inbatch', 'paper'])
 def test_pair_batches_layout_and_row_shards(corpus, negatives):
     """B queries, then B targets (inbatch) or B groups of 31 candidates (paper), the match at its
-    label, left-padded; a pure function of its arguments. A row shard keeps its queries and every
-    in-batch target: the shard losses average to the batch's."""
+    label, each text from position 0; a pure function of its arguments. A row shard keeps its
+    queries and every in-batch target: the shard losses average to the batch's."""
     tok = Tokenizer.from_dir(str(corpus.data))
     get = retrieve.PairBatches(dict(train.LOOP_DEFAULTS, data_dir=str(corpus.data),
                                     negatives=negatives, batch_size=4), tok, 32)
     idx, mask, labels = get('val', None, 1)
     group = 31 if negatives == 'paper' else 0
     assert idx.shape == (4 + 4 * max(group, 1), 32) and torch.equal(idx, get('val', None, 1)[0])
-    assert mask[:, -1].all() and not mask[:, 0].all()
+    assert mask[:, 0].all() and not mask[:, -1].all()
     assert group or torch.equal(labels, torch.arange(4))
     pairs = [(q[:32], t[:32]) for q, t in zip(*get.pairs['val'])]
     for b in range(4):
@@ -292,18 +294,18 @@ def test_indirect_trains_on_raw_hidden_states(corpus, capsys, tmp_path, monkeypa
     ckpt = train.load_checkpoint(tmp_path / 'ind/c8/ckpt.pt')
     assert ckpt['kind'] == 'indirect' and ckpt['embedder']['ckpt'] == os.path.abspath(corpus.mixer)
     assert ckpt['retrieval_mixer'] == dict(d_model=32, n_layers=1, c=8)
-    ckpt = train.load_checkpoint(corpus.mixer)      # the full window, here, not through TextEncoder
+    ckpt = train.load_checkpoint(corpus.mixer)      # each text alone, here, not through TextEncoder
     model = train.model_from_checkpoint(ckpt).eval()
     tok = Tokenizer.from_meta(ckpt['data']['meta'], str(corpus.data))
     texts = [t for s in train.SPLITS
              for side in retrieve.read_pairs(corpus.data / f'pairs_{s}.jsonl') for t in side]
-    idx, mask = retrieve.left_pad([tok.encode(t, bos=True)[:32] for t in texts], 32, tok.pad_id)
-    with torch.no_grad():
-        h = model.hidden(idx, mask)[:, -1]                                          # (N, 32)
+    with torch.no_grad():                               # the last token's state, (N, 32)
+        h = torch.cat([model.hidden(torch.tensor([tok.encode(t, bos=True)[:32]]))[:, -1]
+                       for t in texts])
     pool = F.normalize(h, dim=-1) * math.sqrt(32) if normalize else h
     rows = torch.cat([x.flatten(0, 1) for x in seen])                       # every input row
     dist = torch.cdist(rows, pool, compute_mode='donot_use_mm_for_euclid_dist').min(1).values
-    # trimmed vs full window in fp32: eps 1.2e-7 x norms ~10 x a few ops; the other form is >= 1 off
+    # batched vs alone in fp32: eps 1.2e-7 x norms ~10 x a few ops; the other form is >= 1 off
     assert dist.max() < 1e-4
     assert not torch.allclose(h.norm(dim=-1), h.norm(dim=-1).mean())   # raw rows: no common norm
 
@@ -327,7 +329,7 @@ def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     # chance is 1 in 47
     assert json.loads((tmp_path / 'm.json').read_text())['top1']['48'] > 3 * 100 / 47
     ckpt = train.load_checkpoint(out_dir / 'ckpt.pt')
-    assert ckpt['kind'] == 'retrieval' and ckpt['embed_pos'] == -1 and ckpt['pool'] == 'mean'
+    assert ckpt['kind'] == 'retrieval' and ckpt['padding'] == 'right' and ckpt['pool'] == 'mean'
     assert retrieve.Embedder(out_dir / 'ckpt.pt', 'cpu').encoder.pool == 'mean'
     assert ckpt['init_from'] == os.path.abspath(mixer)
     train.model_from_checkpoint(ckpt)                    # loads strictly: the model's own keys
@@ -373,33 +375,91 @@ def test_train_updates_only_what_embeddings_use(corpus, capsys, tmp_path):
             assert 'lm_head.weight' in before and 'lm_head.weight' not in changed
 
 
-def test_search_finds_a_document_and_joins_a_short_tail(corpus, capsys, tmp_path):
-    """A document's own text finds it first, at cosine 1, among a folder's files (binary ones
-    skipped) and a text file. A document's last chunk of a few tokens (which cosines rank first)
-    joins the chunk before it; --min_chunk=0 keeps every window apart."""
-    tok, words = Tokenizer.from_dir(str(corpus.data)), PAIR_WORDS * 8
-    for end in range(40, len(words)):          # 31 tokens a chunk (n_ctx 32 less bos); tail 1-3
-        long = ' '.join(words[:end]) + '\n'
-        if len(tok.encode(long)) > 62 and 1 <= len(tok.encode(long)) % 31 <= 3:
-            break
-    n, rng = len(tok.encode(long)), random.Random(2)
-    texts = [''.join(pair_texts(rng, 100 + i)) for i in range(4)]
+SOURCE = """import os
+
+X = 1
+
+
+@decorator
+def f(a):
+    \"\"\"Doc.\"\"\"
+    return a
+
+
+class C:
+    \"\"\"A class.\"\"\"
+    y = 2
+
+    def m(self):
+        return 1
+
+    async def n(self):
+        def inner():
+            pass
+        return inner
+"""
+
+
+class Words:
+    """A tokenizer stand-in for chunks_of: a line costs one token per word, and one if blank."""
+    @staticmethod
+    def encode_batch(lines):
+        return [line.split() or [''] for line in lines]
+
+
+def test_search_chunks_are_whole_definitions_and_lines():
+    """Python: each function and method with its decorators, a class without its methods, the
+    module's lines between them (blank runs dropped); a long one, and other text, cut into runs of
+    whole lines of at most `budget` tokens (a longer line alone)."""
+    assert retrieve.chunks_of('a.py', SOURCE, Words, 100) == [
+        (1, 5), (6, 9), (12, 15), (16, 17), (19, 22)]
+    # lines 1-5 cost 2 1 3 1 1 tokens, 6-9 1 2 1 2, 12-15 2 2 3 1, 16-17 2 2, 19-22 3 2 1 2
+    assert retrieve.chunks_of('a.py', SOURCE, Words, 4) == [
+        (1, 2), (3, 4), (6, 8), (9, 9), (12, 13), (14, 15), (16, 17), (19, 19), (20, 21),
+        (22, 22)]
+    text = 'one two\nthree four five six seven\n\nsix\n'
+    assert retrieve.chunks_of('notes.txt', text, Words, 3) == [(1, 1), (2, 2), (3, 4)]
+    assert retrieve.chunks_of('bad.py', 'def (\n  x\n', Words, 3) == [(1, 2)]  # no parse: lines
+
+
+def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
+    """A function's own text finds it first, at cosine 1, printed as path:first-last with its first
+    lines (binary files skipped). A second call embeds nothing; an edited file alone is embedded
+    again; another checkpoint's index is refused, never used."""
+    rng, texts = random.Random(2), []
+    for i in range(4):   # three functions a file, at lines 1-2, 4-5 and 7-8
+        names = [rng.sample(PAIR_WORDS, 2) for _ in range(3)]
+        texts.append('\n'.join(f"def {a}_{b}_{i}(x):\n    return {a}_of({b}_of(x))\n"
+                               for a, b in names))
     (tmp_path / 'docs').mkdir()
-    for i, text in enumerate(texts[:3] + [long]):
+    for i, text in enumerate(texts[:3]):
         (tmp_path / f'docs/d{i}.py').write_text(text)
     (tmp_path / 'docs/blob.bin').write_bytes(b'\x89PNG\r\n\x1a\n\0')
     (tmp_path / 'more.txt').write_text(texts[3])
-    for query, source, min_chunk, stop in ((texts[2], 'docs/d2.py', 16, n - n % 31),
-                                           (texts[3], 'more.txt', 0, n)):
-        code, out, err = run_main(capsys, 'retrieve', 'search', f'--ckpt={corpus.mixer}',
-                                  f'--docs={tmp_path}/docs,{tmp_path}/more.txt',
-                                  f'--query={query}', '--k=99', '--show=9999',
-                                  f'--min_chunk={min_chunk}', '--dtype=float32')
-        found = re.findall(r'^\d+\. (\S+)  (\S+) @ token (\d+)\n((?: {3}.*\n?)*)', out, re.M)
-        assert code == 0 and found[0][:2] == ('1.000', f'{tmp_path}/{source}'), out
-        chunks = {int(offset): text for _, doc, offset, text in found if doc.endswith('d3.py')}
-        assert sorted(chunks) == list(range(0, stop, 31)) and 'blob.bin' not in out
-        assert tok.decode(tok.encode(long)[-(n % 31):]).strip() in chunks[max(chunks)]
+    embedded = []
+    embed = retrieve.Embedder.embed_tokens
+    monkeypatch.setattr(retrieve.Embedder, 'embed_tokens',
+                        lambda self, seqs: embedded.append(len(seqs)) or embed(self, seqs))
+    docs, index = f'--docs={tmp_path}/docs,{tmp_path}/more.txt', f'--index={tmp_path}/i.pt'
+
+    def search(query, *extra):
+        embedded.clear()
+        code, out, err = run_main(capsys, 'retrieve', 'search', f'--ckpt={corpus.mixer}', docs,
+                                  index, f'--query={query}', '--k=99', '--dtype=float32', *extra)
+        assert code == 0, err
+        return out, sum(embedded) - 1                  # less the query's
+    wanted = texts[1].split('\n\n')[1]               # d1.py's second function, lines 4-5
+    out, n = search(wanted.strip() + '\n', '--show=1')
+    hits = re.findall(r'^\d+\. (\S+)  (\S+)\n((?: {3}.*\n)*)', out, re.M)
+    assert n == 12 and len(hits) == 12 and '12 chunks in 4 files (12 embedded now)' in out
+    assert hits[0][:2] == ('1.000', f'{tmp_path}/docs/d1.py:4-5'), out
+    assert hits[0][2] == '   ' + wanted.splitlines()[0] + '\n' and 'blob.bin' not in out
+    assert search('anything')[1] == 0                  # unchanged: nothing embedded
+    (tmp_path / 'docs/d2.py').write_text(texts[2] + '\n\ndef extra():\n    pass\n')
+    out, n = search('anything')
+    assert n == 4 and '13 chunks in 4 files (4 embedded now)' in out
+    refused(capsys, 'retrieve', ['search', f'--ckpt={corpus.llama}', docs, index,
+                                 '--query=x'], 'another checkpoint')
 
 
 def unit(*shape, seed=0):
