@@ -203,7 +203,7 @@ class Embedder:
         return out
 
     def __call__(self, texts):  # str list -> (N, d_model) float32; bos first, as in pretraining
-        return self.embed_tokens([self.tok.encode(t, bos=True) for t in texts])
+        return self.embed_tokens([[self.tok.bos_id] + ids for ids in self.tok.encode_batch(texts)])
 
 
 # ----------------------------------------------------------------------------- candidates, losses
@@ -250,7 +250,7 @@ class PairBatches:
             queries, targets = read_pairs(path)
             assert len(queries) >= need, f"{path} holds {len(queries)} pairs, fewer than the " \
                 f"{need} a batch needs (negatives={cfg['negatives']}): lower --batch_size"
-            self.pairs[split] = tuple([tok.encode(t, bos=True) for t in texts]
+            self.pairs[split] = tuple([[tok.bos_id] + ids for ids in tok.encode_batch(texts)]
                                       for texts in (queries, targets))
 
     def __call__(self, split, step, micro, shard=0, shards=1):
@@ -383,6 +383,15 @@ def bm25_scorer(queries, targets):
                                                    for i in rows]))
 
 
+def fused(*scorers, k=60):
+    """Reciprocal-rank fusion (Cormack et al., 2009) as a score: for each query, the sum over the
+    scorers of 1 / (k + the rank they give each of the N targets), 1 the best; k = 60, theirs."""
+    def score(rows):
+        ranks = [s(rows).float().argsort(1, descending=True).argsort(1) + 1 for s in scorers]
+        return sum(1.0 / (k + r) for r in ranks)                   # (b, N)
+    return score
+
+
 def peer_embedder(name, device, batch_size):
     """A sentence-transformers model (a folder or a hub name) as texts -> unit rows (N, d): a known
     retriever scored on the same pairs. The optional package is imported only here."""
@@ -416,17 +425,22 @@ def cmd_eval(cfg):
     if cfg['ckpt']:
         embedders[cfg['ckpt']] = Embedder(cfg['ckpt'], device, cfg['dtype'], cfg['batch_size'],
                                           cfg['pool'], cfg['padding'])
-    for name in cfg['peer'].split(',') if cfg['peer'] else ():  # each loads before any scoring
-        embedders[name] = name if name == 'bm25' else peer_embedder(name, device,
-                                                                    cfg['batch_size'])
-    ns, results = capped(ns, 'n', len(queries)), {}  # noted once the models have loaded
+    peers = cfg['peer'].split(',') if cfg['peer'] else []
+    if 'hybrid' in peers and not cfg['ckpt']:
+        raise ValueError("--peer=hybrid fuses the ranks of --ckpt and BM25: pass --ckpt=CKPT")
+    for name in peers:  # each loads before any scoring
+        if name not in ('bm25', 'hybrid'):
+            embedders[name] = peer_embedder(name, device, cfg['batch_size'])
+    ns, scores = capped(ns, 'n', len(queries)), {}  # noted once the models have loaded
     for name, embed in embedders.items():
-        if embed == 'bm25':
-            score = bm25_scorer(queries, targets)
-        else:
-            q, t = embed(queries), embed(targets)                  # (N, d) unit rows each
-            score = lambda rows: q[rows] @ t.T                     # noqa: E731 (cosines)
-        results[name] = retrieval_metrics(score, len(queries), ns, cfg['seed'])
+        q, t = embed(queries), embed(targets)                      # (N, d) unit rows each
+        scores[name] = lambda rows, q=q, t=t: q[rows] @ t.T        # cosines
+    if {'bm25', 'hybrid'} & set(peers):
+        scores['bm25'] = bm25_scorer(queries, targets)
+    if 'hybrid' in peers:
+        scores['hybrid'] = fused(scores[cfg['ckpt']], scores['bm25'])
+    results = {name: retrieval_metrics(scores[name], len(queries), ns, cfg['seed'])
+               for name in [cfg['ckpt']] * bool(cfg['ckpt']) + peers}
     width = max(len(name) for name in results)
     print(f"{len(queries):,} pairs from {cfg['pairs']}: top-1 % against n - 1 candidates; "
           f"MRR@10 and recall@k % against all {len(queries):,} targets")
