@@ -57,10 +57,9 @@ def load(path, device, requested):
     if mcfg['objective'] not in ('clm', 'mtp2') or not mcfg['causal'] or mcfg['n_ctx'] < 2:
         raise ValueError(f"{path} holds a {mcfg['objective']} model (causal={mcfg['causal']}, "
                          f"n_ctx={mcfg['n_ctx']}): only causal clm/mtp2 ones, n_ctx >= 2, generate")
-    try:
-        tok = prepare.Tokenizer.from_meta(ckpt['data']['meta'], ckpt['data']['data_dir'])
-    except ValueError as e:
-        raise ValueError(f"{e}: prepare the data_dir {path} was trained on again") from None
+    tok = prepare.Tokenizer.from_checkpoint(ckpt)
+    assert tok.vocab_size == mcfg['vocab_size'], f"{path}: a tokenizer of {tok.vocab_size} pieces " \
+        f"for a model of {mcfg['vocab_size']}: its data_dir was prepared again since"
     dtype, why = choose_dtype(device, requested, ckpt.get('dtype'), reading=True)
     return decode_layout(model_from_checkpoint(ckpt).to(device, dtype)), tok, why
 

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import ModelConfig, build_model, flops_per_token, objective_targets
 from configurator import check_out_dir, parse_args, run_main, write_atomic
-from prepare import DATASETS, SPLITS
+from prepare import DATASETS, SPLITS, Tokenizer
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -589,7 +589,8 @@ def train_lm(argv):
               f"{runtime.describe()}, {runtime.world} process(es), "
               f"{cfg['batch_size'] * cfg['grad_accum'] * mcfg.n_ctx:,} tokens per step")
     extra = {'kind': 'lm', 'model_config': asdict(mcfg),
-             'data': {'data_dir': os.path.abspath(cfg['data_dir']), 'meta': meta}}
+             'tokenizer': Tokenizer.from_meta(meta, cfg['data_dir']).spec,  # sample.py reads it
+             'data': {'data_dir': os.path.abspath(cfg['data_dir']), 'meta': meta}}  # a record
     loss_fn = lambda model, batch: model(batch[0], targets=batch[1], mask=batch[2])[1]  # noqa
     # lm_loss averages over the targets that are not -1: row shards of padded documents differ
     # (mtp2's second term, one fewer a row, is weighed as the first); packed rows are all full

@@ -131,6 +131,8 @@ REFUSALS = [
     ('sample', [*SAMPLE, '--prompt=FILE:/nonexistent/p.txt'], '/nonexistent/p.txt'),
     ('sample', [*SAMPLE, '--prompt=FILE:{tmp}/latin1.txt'], 'latin1.txt'),
     ('sample', ['--ckpt={tmp}/moved.pt'], '{tmp}/moved/tokenizer.model'),
+    ('sample', ['--ckpt={tmp}/gone.pt'], '{tmp}/gone'),
+    ('sample', ['--ckpt={tmp}/vocab999.pt'], '999'),
     ('prepare', ['text', '--input=does/not/exist', OUT], 'does/not/exist'),
     ('prepare', ['text', '--input={tmp}/empty', OUT], '{tmp}/empty'),
     ('prepare', ['text', '--input={tmp}/blank.txt', OUT], 'empty'),
@@ -191,9 +193,15 @@ def scratch(tmp_path, data_dir):
     (tmp_path / 'nce').mkdir()  # a retrieve.py train run's folder
     train.save_checkpoint({'kind': 'retrieval', 'model': {}}, str(tmp_path / 'nce/ckpt.pt'))
     make_ckpt(tmp_path / 'n1.pt', data_dir, n_ctx=1)
-    (tmp_path / 'moved').mkdir()  # a checkpoint's data_dir without its tokenizer model
-    (tmp_path / 'moved/meta.json').write_bytes((data_dir / 'meta.json').read_bytes())
-    make_ckpt(tmp_path / 'moved.pt', tmp_path / 'moved')
+    lm = train.load_checkpoint(make_ckpt(tmp_path / 'lm.pt', data_dir))
+    train.save_checkpoint({**lm, 'model_config': {**lm['model_config'], 'vocab_size': 999}},
+                          str(tmp_path / 'vocab999.pt'))  # not its tokenizer's vocabulary
+    # checkpoints older than carried tokenizers, their data_dir without its model, or gone
+    (tmp_path / 'moved').mkdir()
+    for name in ('moved', 'gone'):
+        train.save_checkpoint({**{k: v for k, v in lm.items() if k != 'tokenizer'},
+                               'data': {**lm['data'], 'data_dir': str(tmp_path / name)}},
+                              str(tmp_path / f'{name}.pt'))
 
 
 @pytest.mark.parametrize('script,argv,culprit', REFUSALS, ids=[f'{s}:{c}' for s, _, c in REFUSALS])
