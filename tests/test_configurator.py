@@ -21,6 +21,10 @@ def test_parse_args_presets_and_overrides(tmp_path):
     assert (cfg['n_ctx'], cfg['batch_size'], cfg['lr'], cfg['compile'],
             cfg['d_model']) == (128, 512, 3e-4, False, 64)
     assert type(configurator.parse_args([str(preset)], train.DEFAULTS, '')['lr']) is float
+    # a boolean reads alike in --key=value and --key value, in any case; bare, it is true
+    for argv in (['--compile=False'], ['--compile', 'False'], ['--compile', 'NO']):
+        assert configurator.parse_args([str(preset), *argv], train.DEFAULTS, '')['compile'] is False
+    assert configurator.parse_args(['--compile', '--lr=1'], train.DEFAULTS, '')['compile'] is True
     # a typo is answered with the key meant
     with pytest.raises(ValueError, match='--batch_size'):
         configurator.parse_args(['--batchsize=3'], train.DEFAULTS, '')
