@@ -66,10 +66,14 @@ MODEL_KEYS = [f.name for f in fields(ModelConfig) if f.name != 'vocab_size']
 
 
 def check_loop(cfg, resume=None):
-    """Refuse loop keys that would hang or mislead, and a resumed run whose budget is spent."""
-    assert cfg['max_iters'] >= 0 and cfg['max_time'] >= 0, "--max_iters and --max_time are >= 0"
-    assert cfg['max_iters'] or cfg['max_time'], "no budget: set --max_iters and/or --max_time (s)"
-    assert cfg['eval_iters'] >= 1, f"--eval_iters={cfg['eval_iters']}: evaluate on 1 batch or more"
+    """Refuse loop keys that would fail, hang or mislead, and a resumed run whose budget is spent."""
+    lows = dict(batch_size=1, grad_accum=1, eval_iters=1, eval_interval=1, log_interval=1,
+                max_iters=0, max_time=0, eval_seconds=0, grad_clip=0, seed=0)
+    for key, low in lows.items():
+        if cfg[key] < low:
+            raise ValueError(f"--{key}={cfg[key]}: use {low} or more")
+    if not (cfg['max_iters'] or cfg['max_time']):
+        raise ValueError("no budget: set --max_iters and/or --max_time (s)")
     if resume and budget_used(cfg, resume['step'], resume['train_time']) >= 1:
         raise ValueError(f"the run in {cfg['out_dir']} has spent its budget (step {resume['step']}"
                          f"): to train on, raise --max_iters or --max_time")

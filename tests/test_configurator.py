@@ -91,9 +91,14 @@ RESUME = ['--data_dir={data}', '--out_dir={trained}', *TINY, '--init_from=resume
 REFUSALS = [
     # a key unknown (the key meant is named), a value mistyped, out of range or not a choice
     ('train', ['--max_iter=3'], '--max_iters'),
-    *[('train', [*TRAIN, f'--{k}={v}'], k) for k, v in [('max_iters', -1), ('eval_iters', 0)]],
+    *[('train', [*TRAIN, f'--{k}={v}'], f'--{k}={v}') for k, v in [
+        ('max_iters', -1), ('eval_iters', 0), ('eval_interval', 0), ('log_interval', 0),
+        ('grad_accum', 0), ('batch_size', 0), ('seed', -1), ('grad_clip', -1.0)]],
+    ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--log_interval=0'],
+     '--log_interval=0'),
     ('sample', [*SAMPLE, '--temperature=-1'], 'temperature'),
     ('sample', [*SAMPLE, '--num_samples=0'], 'num_samples'),
+    *[('sample', [*SAMPLE, f'--{k}={v}'], k) for k, v in [('top_k', -1), ('top_p', 0), ('top_p', 2)]],
     ('sample', [*SAMPLE, '--method=beam'], 'beam'),
     ('sample', [*SAMPLE, '--device=gpu0'], 'gpu0'),
     ('prepare', ['wikipedia', OUT], 'wikipedia'),
