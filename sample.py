@@ -61,8 +61,9 @@ def load(path, device, requested):
         raise ValueError(f"{path} holds a {mcfg['objective']} model (causal={mcfg['causal']}, "
                          f"n_ctx={mcfg['n_ctx']}): only causal clm/mtp2 ones, n_ctx >= 2, generate")
     tok = prepare.Tokenizer.from_checkpoint(ckpt)
-    assert tok.vocab_size == mcfg['vocab_size'], f"{path}: a tokenizer of {tok.vocab_size} pieces " \
-        f"for a model of {mcfg['vocab_size']}: its data_dir was prepared again since"
+    assert tok.vocab_size == mcfg['vocab_size'], (
+        f"{path}: a tokenizer of {tok.vocab_size} pieces for a model of {mcfg['vocab_size']}: its "
+        f"data_dir was prepared again since")
     dtype, why = choose_dtype(device, requested, ckpt.get('dtype'), reading=True)
     return decode_layout(model_from_checkpoint(ckpt).to(device, dtype)), tok, why
 

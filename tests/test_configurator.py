@@ -98,7 +98,8 @@ REFUSALS = [
      '--log_interval=0'),
     ('sample', [*SAMPLE, '--temperature=-1'], 'temperature'),
     ('sample', [*SAMPLE, '--num_samples=0'], 'num_samples'),
-    *[('sample', [*SAMPLE, f'--{k}={v}'], k) for k, v in [('top_k', -1), ('top_p', 0), ('top_p', 2)]],
+    *[('sample', [*SAMPLE, f'--{k}={v}'], k)
+      for k, v in [('top_k', -1), ('top_p', 0), ('top_p', 2)]],
     ('sample', [*SAMPLE, '--method=beam'], 'beam'),
     ('sample', [*SAMPLE, '--device=gpu0'], 'gpu0'),
     ('prepare', ['wikipedia', OUT], 'wikipedia'),
