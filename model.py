@@ -168,7 +168,8 @@ class ModelConfig:
 
 class TokenMixing(nn.Module):
     """The masked mixer's replacement for attention: a mixing (flat, kernel, parallel), or two
-    with GELU between (expanded, n -> e*n -> n), per head of channels with projections (fig S6)."""
+    with GELU between (expanded, n -> e*n -> n), per head of channels; with more than one head (a
+    mixer's n_heads > 1) a linear projection before and after it (fig S6), else none."""
 
     def __init__(self, cfg, direction):
         super().__init__()

@@ -29,13 +29,14 @@ DEFAULTS = dict(
     num_samples=1,          # decoded as one batch; the first streams, the others print at the end
     max_new_tokens=256,     # at most: a sample ends earlier where the model ends the document
     temperature=0.8,        # 0 = greedy
-    top_k=-1,               # keep the k most likely tokens (>= 1); -1 = keep all
+    top_k=0,                # keep the k most likely tokens; 0 = keep all
     top_p=1.0,              # nucleus sampling mass in (0, 1]; 1 = off
     seed=1337,              # the same seed gives the same samples
     method='cache',         # cache (exact, O(n^2 d) per window) | window (the paper's, O(n^3 d))
     compile=False,          # torch.compile the cached step (GPU: as CUDA graphs), after a warm-up
     device='auto',          # auto = cuda if available, else cpu
-    dtype='auto',           # the weights' dtype; auto: fp32 on a CPU, else the trained one
+    dtype='auto',           # the weights' dtype; auto: fp32 on a CPU, on a GPU the trained one
+                            # where native, else fp16 (a bf16 run on a V100 or T4)
 )
 
 
@@ -44,6 +45,8 @@ def sample_args(argv):
     args = SimpleNamespace(**parse_args(argv, DEFAULTS, __doc__, choices))
     assert args.temperature >= 0, f'--temperature={args.temperature}: use 0 (greedy) or more'
     assert args.num_samples >= 1, f'--num_samples={args.num_samples}: use 1 or more'
+    assert args.top_k >= 0, f'--top_k={args.top_k}: use 0 (keep all) or more'
+    assert 0 < args.top_p <= 1, f'--top_p={args.top_p}: use a mass in (0, 1] (1 = off)'
     return args
 
 
@@ -57,10 +60,10 @@ def load(path, device, requested):
     if mcfg['objective'] not in ('clm', 'mtp2') or not mcfg['causal'] or mcfg['n_ctx'] < 2:
         raise ValueError(f"{path} holds a {mcfg['objective']} model (causal={mcfg['causal']}, "
                          f"n_ctx={mcfg['n_ctx']}): only causal clm/mtp2 ones, n_ctx >= 2, generate")
-    try:
-        tok = prepare.Tokenizer.from_meta(ckpt['data']['meta'], ckpt['data']['data_dir'])
-    except ValueError as e:
-        raise ValueError(f"{e}: prepare the data_dir {path} was trained on again") from None
+    tok = prepare.Tokenizer.from_checkpoint(ckpt)
+    assert tok.vocab_size == mcfg['vocab_size'], (
+        f"{path}: a tokenizer of {tok.vocab_size} pieces for a model of {mcfg['vocab_size']}: its "
+        f"data_dir was prepared again since")
     dtype, why = choose_dtype(device, requested, ckpt.get('dtype'), reading=True)
     return decode_layout(model_from_checkpoint(ckpt).to(device, dtype)), tok, why
 
@@ -140,7 +143,7 @@ def write_samples(model, tok, ids, args, generator, step=None):
     shown = tok.decode(ids)
     sys.stdout.write(shown)
     for tokens, _ in model.stream(idx, args.max_new_tokens, temperature=args.temperature,
-                                  method=args.method, top_k=args.top_k if args.top_k > 0 else None,
+                                  method=args.method, top_k=args.top_k or None,
                                   top_p=args.top_p, generator=generator, step=step):
         for i, token in enumerate(tokens.tolist()):                      # tokens (num_samples,)
             ended[i] = ended[i] or token == tok.eos_id

@@ -24,15 +24,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import ModelConfig, build_model, flops_per_token, objective_targets
 from configurator import check_out_dir, parse_args, run_main, write_atomic
-from prepare import DATASETS, SPLITS
+from prepare import DATASETS, SPLITS, Tokenizer
 
 
 # ----------------------------------------------------------------------------- configuration
 
 LOOP_DEFAULTS = dict(
     out_dir='out',
-    batch_size=16,          # sequences per micro-batch, not per rank (4 ranks, accum 1: 1/4 each)
-    grad_accum=1,           # micro-batches per optimizer step, split over the DDP ranks
+    batch_size=16,          # sequences per micro-batch, not per rank (4 ranks: 4 rows each)
+    grad_accum=1,           # micro-batches per optimizer step (each rank runs its rows of each)
     lr=5e-4,                # paper: 5e-4 masked mixers, 2e-4 transformers
     min_lr=0.0,             # where the decay ends
     warmup_iters=100,
@@ -66,10 +66,14 @@ MODEL_KEYS = [f.name for f in fields(ModelConfig) if f.name != 'vocab_size']
 
 
 def check_loop(cfg, resume=None):
-    """Refuse loop keys that would hang or mislead, and a resumed run whose budget is spent."""
-    assert cfg['max_iters'] >= 0 and cfg['max_time'] >= 0, "--max_iters and --max_time are >= 0"
-    assert cfg['max_iters'] or cfg['max_time'], "no budget: set --max_iters and/or --max_time (s)"
-    assert cfg['eval_iters'] >= 1, f"--eval_iters={cfg['eval_iters']}: evaluate on 1 batch or more"
+    """Refuse loop keys that would fail or mislead, and a resumed run whose budget is spent."""
+    lows = dict(batch_size=1, grad_accum=1, eval_iters=1, eval_interval=1, log_interval=1,
+                max_iters=0, max_time=0, eval_seconds=0, grad_clip=0, seed=0)
+    for key, low in lows.items():
+        if cfg[key] < low:
+            raise ValueError(f"--{key}={cfg[key]}: use {low} or more")
+    if not (cfg['max_iters'] or cfg['max_time']):
+        raise ValueError("no budget: set --max_iters and/or --max_time (s)")
     if resume and budget_used(cfg, resume['step'], resume['train_time']) >= 1:
         raise ValueError(f"the run in {cfg['out_dir']} has spent its budget (step {resume['step']}"
                          f"): to train on, raise --max_iters or --max_time")
@@ -168,21 +172,22 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def rank_pieces(grad_accum, batch_size, world, rank):
-    """This rank's share of a step, as (micro, shard, shards) triples: the grad_accum micro-batches
-    are dealt out to the ranks, each cut into `shards` equal row shards where the ranks outnumber
-    them. Why the step is the same at any world size: each rank backpropagates a piece's loss x
-    weight / len(pieces) and DDP averages the ranks, so each of the grad_accum x shards pieces
-    counts 1 / (grad_accum x shards); a shard's weight in fit, shards x its share of the
-    micro-batch's targets, makes a micro-batch's shards add up to its mean loss, and the step
-    averages the micro-batches, as one process does."""
-    shards = world // math.gcd(grad_accum, world)
-    if batch_size % shards:
-        raise ValueError(f"{world} processes cannot share grad_accum={grad_accum} x batch_size="
-                         f"{batch_size}: use a batch_size divisible by {shards} (or --grad_accum)")
-    per_rank = grad_accum * shards // world
-    return [(p // shards, p % shards, shards)
-            for p in range(rank * per_rank, (rank + 1) * per_rank)]
+def rank_batches(get_batch, step, grad_accum, rank, world, real_targets=None):
+    """This rank's part of optimizer step `step`, as (batch, scale) pairs: rows [rank B/world,
+    (rank + 1) B/world) of each of the grad_accum micro-batches of B = batch_size rows (Runtime
+    refuses a B that world does not divide); a rank backpropagates each batch's loss x scale.
+    Why the step is one process's: one process backpropagates sum_m L_m / grad_accum, L_m the mean
+    loss over micro-batch m's targets. A rank's rows hold a share of those targets (1/world for full
+    rows; real_targets counts them where padded rows differ), and L_m is the sum over the ranks of
+    share x their mean loss. So scale = share x world / grad_accum: DDP averages the ranks'
+    gradients (divides by world), and the ranks together backpropagate sum_m L_m / grad_accum."""
+    for micro in range(grad_accum):
+        batch = get_batch('train', step, micro, rank, world)
+        share_x_world = 1.0  # full rows: share = 1/world, and 1.0 keeps the loss exact
+        if world > 1 and real_targets:  # a rank can draw the whole micro-batch: no collective
+            whole = real_targets(get_batch('train', step, micro))
+            share_x_world = world * real_targets(batch) / whole
+        yield batch, share_x_world / grad_accum
 
 
 class Runtime:
@@ -194,7 +199,9 @@ class Runtime:
         self.rank = int(os.environ.get('RANK', 0))
         self.world = int(os.environ.get('WORLD_SIZE', 1))
         self.master = self.rank == 0  # the process that logs and saves
-        rank_pieces(cfg['grad_accum'], cfg['batch_size'], self.world, self.rank)  # refuses early
+        if cfg['batch_size'] % self.world:  # before the process group starts (rank_batches)
+            raise ValueError(f"{self.world} processes cannot share batch_size={cfg['batch_size']}"
+                             f" rows: use a batch_size divisible by {self.world}")
         self.device = resolve_device(cfg['device'])
         self.dtype, self.why = choose_dtype(self.device, cfg['dtype'], recorded)
         self.backend = 'nccl' if self.device.type == 'cuda' else 'gloo'
@@ -320,10 +327,9 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
     net = torch.compile(raw) if cfg['compile'] else raw
     ddp = DDP(net) if runtime.distributed else net  # on the device of the model's weights
     peak = peak_flops(device, runtime.dtype) if flops_per_token else None
-    pieces = rank_pieces(cfg['grad_accum'], cfg['batch_size'], runtime.world, runtime.rank)
     saved = step if resume is not None else None  # the step of the last checkpoint
     val_loss, diverged = float('nan'), ''
-    loss_sum = torch.zeros((), device=device)  # of the micro-batch losses since the last log line
+    loss_sum = torch.zeros((), device=device)  # of the scaled losses since the last log line
     logged_step, logged_tokens, logged_time = step, tokens_seen, train_time  # at the last log line
     began = time.perf_counter()  # wall clock of this process, evaluation included
     every = cfg['eval_seconds']  # > 0: evaluate at marks of training time, not of steps
@@ -356,23 +362,20 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
         if progress >= 1:
             break
 
-        # one optimizer step: this rank's micro-batches (or row shards of them); DDP averages
+        # one optimizer step: this rank's rows of every micro-batch (rank_batches); DDP averages
         t0 = time.perf_counter()
         lr = get_lr(cfg, step, progress)
         for group in optimizer.param_groups:
             group['lr'] = lr
-        for i, (micro, shard, shards) in enumerate(pieces):
-            batch = get_batch('train', step, micro, shard, shards)
-            weight = 1.0  # shards x this shard's share of the micro-batch's targets (rank_pieces)
-            if shards > 1 and real_targets:  # a rank can draw the whole micro-batch: no collective
-                whole = real_targets(get_batch('train', step, micro))
-                weight = shards * real_targets(batch) / whole
+        pieces = rank_batches(get_batch, step, cfg['grad_accum'], runtime.rank, runtime.world,
+                              real_targets)
+        for micro, (batch, scale) in enumerate(pieces):
             batch = to_device(batch, device)
-            last = i == len(pieces) - 1 or not runtime.distributed  # DDP syncs the last backward
+            last = micro == cfg['grad_accum'] - 1 or not runtime.distributed  # DDP syncs the last
             with nullcontext() if last else ddp.no_sync(), autocast(device, runtime.dtype):
-                loss = loss_fn(ddp, batch) * weight  # x 1.0 is exact
-            scaler.scale(loss / len(pieces)).backward()
-            loss_sum += loss.detach()
+                loss = loss_fn(ddp, batch) * scale
+            scaler.scale(loss).backward()
+            loss_sum += loss.detach()  # summed over the ranks: world x the step's mean loss
             tokens_seen += batch[0].numel() * runtime.world  # every rank's share is this size
         scaler.unscale_(optimizer)  # true gradients for their norm (a no-op unless fp16)
         grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg['grad_clip'] or math.inf)
@@ -391,7 +394,7 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
             if runtime.distributed:
                 dist.all_reduce(loss_sum)
             n_steps, interval_t = step - logged_step, train_time - logged_time
-            mean_loss = loss_sum.item() / (n_steps * len(pieces) * runtime.world)
+            mean_loss = loss_sum.item() / (n_steps * runtime.world)
             if not math.isfinite(mean_loss):
                 diverged = f"the training loss is {mean_loss}"
                 break
@@ -590,7 +593,8 @@ def train_lm(argv):
               f"{runtime.describe()}, {runtime.world} process(es), "
               f"{cfg['batch_size'] * cfg['grad_accum'] * mcfg.n_ctx:,} tokens per step")
     extra = {'kind': 'lm', 'model_config': asdict(mcfg),
-             'data': {'data_dir': os.path.abspath(cfg['data_dir']), 'meta': meta}}
+             'tokenizer': Tokenizer.from_meta(meta, cfg['data_dir']).spec,  # from_checkpoint's
+             'data': {'data_dir': os.path.abspath(cfg['data_dir']), 'meta': meta}}  # a record
     loss_fn = lambda model, batch: model(batch[0], targets=batch[1], mask=batch[2])[1]  # noqa
     # lm_loss averages over the targets that are not -1: row shards of padded documents differ
     # (mtp2's second term, one fewer a row, is weighed as the first); packed rows are all full

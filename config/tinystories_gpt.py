@@ -18,8 +18,8 @@ n_layers = 8
 n_heads = 4                # head number tuned as for the Llama baseline
 n_ctx = 512
 batch_mode = 'documents'   # one story per row, right-padded; pads masked out of attention and loss
-batch_size = 32            # per micro-batch (per GPU): Table S6's b = 32
-grad_accum = 4             # 4 GPUs: one micro-batch each; 1 GPU: 4 micro-batches per step
+batch_size = 32            # per micro-batch: Table S6's b = 32 (per GPU of 4)
+grad_accum = 4             # on N GPUs each runs its 32/N rows of each (doc/usage.md)
 lr = 2e-4                  # the author's transformer trainers and §9.5 (S6's caption: 5e-3)
 warmup_iters = 500
 max_iters = 0

@@ -14,8 +14,8 @@ d_model = 1024
 n_layers = 8
 n_ctx = 512
 batch_mode = 'documents'   # one story per row, right-padded; pad targets are ignored
-batch_size = 32            # per micro-batch (per GPU): the blog's b = 32
-grad_accum = 4             # 4 GPUs: one micro-batch each; 1 GPU: 4 micro-batches per step
+batch_size = 32            # per micro-batch: the blog's b = 32 (per GPU of 4)
+grad_accum = 4             # on N GPUs each runs its 32/N rows of each (doc/usage.md)
 lr = 5e-4                  # paper §9.5: masked mixers
 warmup_iters = 500
 max_iters = 0

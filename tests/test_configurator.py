@@ -21,6 +21,10 @@ def test_parse_args_presets_and_overrides(tmp_path):
     assert (cfg['n_ctx'], cfg['batch_size'], cfg['lr'], cfg['compile'],
             cfg['d_model']) == (128, 512, 3e-4, False, 64)
     assert type(configurator.parse_args([str(preset)], train.DEFAULTS, '')['lr']) is float
+    # a boolean reads alike in --key=value and --key value, in any case; bare, it is true
+    for argv in (['--compile=False'], ['--compile', 'False'], ['--compile', 'NO']):
+        assert configurator.parse_args([str(preset), *argv], train.DEFAULTS, '')['compile'] is False
+    assert configurator.parse_args(['--compile', '--lr=1'], train.DEFAULTS, '')['compile'] is True
     # a typo is answered with the key meant
     with pytest.raises(ValueError, match='--batch_size'):
         configurator.parse_args(['--batchsize=3'], train.DEFAULTS, '')
@@ -87,9 +91,15 @@ RESUME = ['--data_dir={data}', '--out_dir={trained}', *TINY, '--init_from=resume
 REFUSALS = [
     # a key unknown (the key meant is named), a value mistyped, out of range or not a choice
     ('train', ['--max_iter=3'], '--max_iters'),
-    *[('train', [*TRAIN, f'--{k}={v}'], k) for k, v in [('max_iters', -1), ('eval_iters', 0)]],
+    *[('train', [*TRAIN, f'--{k}={v}'], f'--{k}={v}') for k, v in [
+        ('max_iters', -1), ('eval_iters', 0), ('eval_interval', 0), ('log_interval', 0),
+        ('grad_accum', 0), ('batch_size', 0), ('seed', -1), ('grad_clip', -1.0)]],
+    ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--log_interval=0'],
+     '--log_interval=0'),
     ('sample', [*SAMPLE, '--temperature=-1'], 'temperature'),
     ('sample', [*SAMPLE, '--num_samples=0'], 'num_samples'),
+    *[('sample', [*SAMPLE, f'--{k}={v}'], k)
+      for k, v in [('top_k', -1), ('top_p', 0), ('top_p', 2)]],
     ('sample', [*SAMPLE, '--method=beam'], 'beam'),
     ('sample', [*SAMPLE, '--device=gpu0'], 'gpu0'),
     ('prepare', ['wikipedia', OUT], 'wikipedia'),
@@ -131,6 +141,8 @@ REFUSALS = [
     ('sample', [*SAMPLE, '--prompt=FILE:/nonexistent/p.txt'], '/nonexistent/p.txt'),
     ('sample', [*SAMPLE, '--prompt=FILE:{tmp}/latin1.txt'], 'latin1.txt'),
     ('sample', ['--ckpt={tmp}/moved.pt'], '{tmp}/moved/tokenizer.model'),
+    ('sample', ['--ckpt={tmp}/gone.pt'], '{tmp}/gone'),
+    ('sample', ['--ckpt={tmp}/vocab999.pt'], '999'),
     ('prepare', ['text', '--input=does/not/exist', OUT], 'does/not/exist'),
     ('prepare', ['text', '--input={tmp}/empty', OUT], '{tmp}/empty'),
     ('prepare', ['text', '--input={tmp}/blank.txt', OUT], 'empty'),
@@ -191,9 +203,15 @@ def scratch(tmp_path, data_dir):
     (tmp_path / 'nce').mkdir()  # a retrieve.py train run's folder
     train.save_checkpoint({'kind': 'retrieval', 'model': {}}, str(tmp_path / 'nce/ckpt.pt'))
     make_ckpt(tmp_path / 'n1.pt', data_dir, n_ctx=1)
-    (tmp_path / 'moved').mkdir()  # a checkpoint's data_dir without its tokenizer model
-    (tmp_path / 'moved/meta.json').write_bytes((data_dir / 'meta.json').read_bytes())
-    make_ckpt(tmp_path / 'moved.pt', tmp_path / 'moved')
+    lm = train.load_checkpoint(make_ckpt(tmp_path / 'lm.pt', data_dir))
+    train.save_checkpoint({**lm, 'model_config': {**lm['model_config'], 'vocab_size': 999}},
+                          str(tmp_path / 'vocab999.pt'))  # not its tokenizer's vocabulary
+    # checkpoints older than carried tokenizers, their data_dir without its model, or gone
+    (tmp_path / 'moved').mkdir()
+    for name in ('moved', 'gone'):
+        train.save_checkpoint({**{k: v for k, v in lm.items() if k != 'tokenizer'},
+                               'data': {**lm['data'], 'data_dir': str(tmp_path / name)}},
+                              str(tmp_path / f'{name}.pt'))
 
 
 @pytest.mark.parametrize('script,argv,culprit', REFUSALS, ids=[f'{s}:{c}' for s, _, c in REFUSALS])

@@ -1,7 +1,7 @@
 """prepare.py: the default corpus, tokenizers, retrieval pairs, the hub datasets from a local
 stand-in server (fixture `hub`)."""
 import hashlib, http.server, io, json, os, platform, random, re, signal, socket, subprocess
-import sys, threading, time, types, urllib.parse
+import shutil, sys, threading, time, types, urllib.parse
 
 import numpy as np
 import pyarrow as pa
@@ -40,8 +40,9 @@ def test_pystdlib_subset_agrees_with_meta_and_splits_by_module(stdlib_dir, capsy
 
 
 def test_tokenizer_round_trips_and_trains_deterministically(stdlib_dir, tmp_path, monkeypatch):
-    """Any text round-trips (unseen characters as byte pieces); training reads only its sample of
-    the stream and makes the same model twice."""
+    """Any text round-trips (unseen characters as byte pieces), by the folder's model or the spec
+    that holds it (a checkpoint's); a folder without its model is refused, naming it; training reads
+    only its sample of the stream and makes the same model twice."""
     tok = Tokenizer.from_dir(stdlib_dir)
     texts = ['naïve café, Ærøskøbing', 'emoji 🎉🚀 👩‍👩‍👧 ✔️',
              '中文字符 ∀x∈ℝ: x² ≥ 0', 'ʘ‿ʘ ☃ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢',
@@ -54,8 +55,13 @@ def test_tokenizer_round_trips_and_trains_deterministically(stdlib_dir, tmp_path
     assert tok.encode('x', bos=True, eos=True) == [tok.bos_id] + tok.encode('x') + [tok.eos_id]
     assert tok.decode([tok.bos_id, *tok.encode('hi'), tok.eos_id, tok.pad_id]) == 'hi'
     assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
+    assert Tokenizer(tok.spec).encode_batch(texts) == tok.encode_batch(texts)
     with pytest.raises(ValueError, match='meta.json'):
         Tokenizer.from_dir(tmp_path)
+    (tmp_path / 'lost').mkdir()
+    shutil.copy(os.path.join(stdlib_dir, 'meta.json'), tmp_path / 'lost')
+    with pytest.raises(ValueError, match='lost/tokenizer.model not found: prepare the data again'):
+        Tokenizer.from_dir(tmp_path / 'lost')
     monkeypatch.setattr(prepare, 'TOKENIZER_SAMPLE', 20_000)
     pulled = []
 

@@ -314,7 +314,7 @@ def test_indirect_trains_on_raw_hidden_states(corpus, capsys, tmp_path, monkeypa
     assert ckpt['retrieval_mixer'] == dict(d_model=32, n_layers=1, c=8)
     ckpt = train.load_checkpoint(corpus.mixer)      # each text alone, here, not through TextEncoder
     model = train.model_from_checkpoint(ckpt).eval()
-    tok = Tokenizer.from_meta(ckpt['data']['meta'], str(corpus.data))
+    tok = Tokenizer.from_checkpoint(ckpt)
     texts = [t for s in train.SPLITS
              for side in retrieve.read_pairs(corpus.data / f'pairs_{s}.jsonl') for t in side]
     with torch.no_grad():                               # the last token's state, (N, 32)

@@ -1,6 +1,6 @@
 """sample.py: the command line, greedy window == cache, compiled decoding and its CUDA graphs'
 bookkeeping, streaming."""
-import contextlib, dataclasses, types
+import contextlib, dataclasses, os, shutil, types
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ import retrieve, sample, train
 from model import ModelConfig
 from prepare import Tokenizer
 from tests.conftest import (N_CTX, name, VARIANTS, perturbed, tiny_model, prompt, decode, run_main,
-                            without_paths, cpu_kind)
+                            without_paths, cpu_kind, train_run)
 
 
 @pytest.mark.parametrize('variant', VARIANTS, ids=name)
@@ -131,6 +131,22 @@ def test_cli_seeds_batches_and_prompts(trained, data, tmp_path, capsys):
     tok = Tokenizer.from_dir(data)
     kept = tok.decode(tok.encode(long)[-31:])
     assert long.endswith(kept) and out.startswith(kept) and len(out) > len(kept) + 1
+
+
+def test_a_checkpoint_carries_its_tokenizer(data, tmp_path, capsys):
+    """train.py's checkpoint holds the tokenizer model its data was prepared with: sampling from it
+    alone, the data folder deleted, prints what it printed with the folder there."""
+    shutil.copytree(data, tmp_path / 'data')
+    assert train_run(tmp_path / 'data', tmp_path / 'out', '--max_iters=2', '--eval_interval=2') == 0
+    capsys.readouterr()
+    carried = train.load_checkpoint(tmp_path / 'out/ckpt.pt')['tokenizer']
+    assert carried['model'] == open(os.path.join(data, 'tokenizer.model'), 'rb').read()
+    argv = [f'--ckpt={tmp_path}/out/ckpt.pt', '--prompt=def f3_', '--max_new_tokens=20',
+            '--temperature=0']
+    before = run_main(capsys, 'sample', *argv)
+    shutil.rmtree(tmp_path / 'data')
+    assert run_main(capsys, 'sample', *argv)[:2] == before[:2] == (0, before[1])
+    assert before[1].startswith('def f3_')
 
 
 @pytest.mark.parametrize('native', [False, True], ids=['avx2', 'native-bf16'])

@@ -116,32 +116,42 @@ def test_resume_keeps_the_recorded_dtype(data, tmp_path, monkeypatch, capsys):
     assert 'emulated' in out.err and weights(tmp_path / 'b')['dtype'] == 'bfloat16'
 
 
-@pytest.mark.parametrize('accum,batch,world', [(1, 16, 1), (1, 16, 2), (1, 16, 8), (4, 16, 2),
-                                               (4, 8, 8), (3, 4, 2), (2, 6, 3)])
-def test_rank_pieces_cover_every_row_once(accum, batch, world):
-    """Every (micro-step, row shard) goes to exactly one rank, and every rank gets as many; a
-    batch the ranks cannot share is refused (setup_runtime: before the process group starts)."""
-    pieces = [p for r in range(world) for p in train.rank_pieces(accum, batch, world, r)]
-    shards = pieces[0][2]
-    assert sorted((m, s) for m, s, _ in pieces) == [
-        (m, s) for m in range(accum) for s in range(shards)]
-    assert len({len(train.rank_pieces(accum, batch, world, r)) for r in range(world)}) == 1
-    assert batch % shards == 0
+@pytest.mark.parametrize('accum,world', [(1, 1), (1, 2), (3, 2), (2, 4)])
+def test_rank_batches_make_one_process_step(accum, world, data, monkeypatch):
+    """Each rank takes its rows of every micro-batch, and the ranks all the rows once; their losses
+    x scale, averaged as DDP averages gradients, are one process's mean of the micro-batch losses,
+    for padded documents too (rows holding different numbers of targets). A batch the ranks cannot
+    share is refused, before the process group starts."""
+    cfg = dict(train.DEFAULTS, n_ctx=32, batch_size=8, batch_mode='documents', grad_accum=accum)
+    get = train.Batches(cfg, train.load_meta(data), data)
+    count = lambda batch: int((batch[1] != -1).sum())  # noqa: E731
+    loss = lambda batch: batch[1][batch[1] != -1].double().mean()  # a mean over targets  # noqa
+    ranks = [list(train.rank_batches(get, 5, accum, r, world, count)) for r in range(world)]
+    for micro in range(accum):
+        rows = torch.cat([pieces[micro][0][0] for pieces in ranks])
+        assert torch.equal(rows, get('train', 5, micro)[0])
+    counts = {count(batch) for pieces in ranks for batch, _ in pieces}
+    assert world == 1 or len(counts) > 1, counts  # equal shares would not test the weighting
+    one = sum(loss(get('train', 5, micro)) for micro in range(accum)) / accum
+    ddp = sum(loss(batch) * scale for pieces in ranks for batch, scale in pieces) / world
+    assert ddp.item() == pytest.approx(one.item(), rel=1e-12)  # float64 sums of ~200 terms
+    monkeypatch.setenv('WORLD_SIZE', '2')
     with pytest.raises(ValueError, match='batch_size divisible by 2'):  # one line, at the boundary
-        train.rank_pieces(1, 3, 2, 0)
+        train.Runtime(dict(cfg, batch_size=3))
 
 
 DDP_ATOL = 2 * 4 * 1e-2 * 2 ** -8  # 2*k*lr*d, k = 4 steps at TINY's lr: 3.1e-4; a bug moves ~lr
 
 
 @pytest.mark.parametrize('extra', [['--grad_accum=2'], [], ['--batch_mode=documents']],
-                         ids=['accum2', 'shards', 'documents'])  # []: grad_accum=1, so row shards
+                         ids=['accum2', 'accum1', 'documents'])
 def test_ddp_two_processes_equal_one(data, tmp_path, extra):
-    """torchrun with 2 processes reaches the one-process weights (DDP_ATOL) after 4 clipped steps:
-    whole micro-batches, row shards of them, and row shards of padded documents that hold different
-    numbers of real targets (each weighted by its share of the micro-batch's)."""
+    """torchrun with 2 processes reaches the one-process weights (DDP_ATOL) after 4 clipped steps,
+    each rank on half the rows of every micro-batch: one or two micro-batches a step (DDP syncs the
+    last), and padded documents whose halves hold different numbers of real targets (each weighted
+    by its share of the micro-batch's)."""
     common = [*TINY, f'--data_dir={data}', '--dtype=float32', *extra, '--max_iters=4',
-              '--eval_interval=4', '--grad_clip=0.5']
+              '--eval_interval=4', '--grad_clip=0.5', '--log_interval=1']
     if '--batch_mode=documents' in extra:  # the row shards of step 0 do hold different counts
         cfg = configurator.parse_args(common, train.DEFAULTS, '')
         get = train.Batches(cfg, train.load_meta(data), data)
@@ -151,6 +161,10 @@ def test_ddp_two_processes_equal_one(data, tmp_path, extra):
     assert train.main([*common, f'--out_dir={tmp_path}/one']) == 0
     a, b = weights(tmp_path / 'ddp'), weights(tmp_path / 'one')
     assert a['step'] == b['step'] == 4 and a['tokens_seen'] == b['tokens_seen']
+    first = [records(tmp_path / run, 'loss')[0] for run in ('ddp', 'one')]
+    # step 1 starts from the same weights: the step's mean loss, but for the order of the sums and
+    # the log's 5 decimals
+    assert first[0]['step'] == 1 and first[0]['loss'] == pytest.approx(first[1]['loss'], abs=2e-5)
     for k, v in a['model'].items():
         torch.testing.assert_close(v, b['model'][k], rtol=0, atol=DDP_ATOL)
     start = train.build_model(train.ModelConfig(**a['model_config'])).state_dict()  # they moved
