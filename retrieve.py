@@ -184,7 +184,7 @@ class Embedder:
         self.dtype, _ = train.choose_dtype(self.device, dtype, ckpt.get('dtype'), reading=True)
         self.batch_size, self.n_ctx = batch_size, self.encoder.model.cfg.n_ctx
         self.encoder.to(self.device).eval()
-        self.tok = Tokenizer.from_meta(ckpt['data']['meta'], ckpt['data']['data_dir'])
+        self.tok = Tokenizer.from_checkpoint(ckpt)
 
     @torch.no_grad()
     def embed_tokens(self, seqs):
@@ -287,8 +287,8 @@ def cmd_train(cfg):
     train.check_loop(cfg, resume)
     train.check_run_dir(cfg['out_dir'], resume is None, cfg['overwrite'])
     rt = train.setup_runtime(cfg, resume and resume.get('dtype'))  # a resumed run keeps its dtype
-    assert not cfg['symmetric'] or cfg['grad_accum'] % rt.world == 0, \
-        "--symmetric scores whole micro-batches: use a grad_accum divisible by the processes"
+    if cfg['symmetric'] and rt.world > 1:  # each rank holds its rows of every micro-batch
+        raise ValueError("--symmetric scores whole micro-batches: train it in one process")
     try:
         get_batch = PairBatches(cfg, embedder.tok, n_ctx, encoder.padding == 'left')
         # freeze what embeddings do not use (lm head, a decoder): AdamW and DDP skip it
@@ -310,6 +310,7 @@ def cmd_train(cfg):
             return info_nce(q, t, labels, symmetric=cfg['symmetric'], tau=cfg['tau'])
 
         extra = {'kind': 'retrieval', 'model_config': src['model_config'], 'data': src['data'],
+                 'tokenizer': embedder.tok.spec,  # Tokenizer.from_checkpoint's
                  'pool': encoder.pool, 'padding': encoder.padding, 'init_from': init_from,
                  'pairs_dir': os.path.abspath(cfg['data_dir'])}
         stats = train.fit(cfg, rt, encoder, get_batch, loss_fn, extra, resume)

@@ -350,6 +350,7 @@ def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     assert ckpt['kind'] == 'retrieval' and ckpt['padding'] == 'right' and ckpt['pool'] == 'mean'
     assert retrieve.Embedder(out_dir / 'ckpt.pt', 'cpu').encoder.pool == 'mean'
     assert ckpt['init_from'] == os.path.abspath(mixer)
+    assert ckpt['tokenizer'] == train.load_checkpoint(mixer)['tokenizer']  # it carries its own
     train.model_from_checkpoint(ckpt)                    # loads strictly: the model's own keys
     assert run_main(capsys, 'retrieve', 'train', '--init_from=resume', '--max_iters=70',
                     *common)[0] == 0
