@@ -333,8 +333,11 @@ def read_folder(out):
             with open(os.path.join(out, f'pairs_{s}.jsonl'), encoding='utf-8') as f:
                 pairs[s] = [json.loads(line) for line in f]
             assert len(pairs[s]) == meta[f'n_pairs_{s}']
-            assert all(set(p) == {'query', 'target'} and p['query'] and p['target']
+            assert all(set(p) == {'query', 'target', 'path'} and p['query'] and p['target']
                        for p in pairs[s])
+    # a Python file (one document) has its pairs in its own split only
+    files = [{p['path'] for p in pairs[s] if p['path'].endswith('.py')} for s in pairs]
+    assert len(files) < 2 or not files[0] & files[1]
     return meta, docs, pairs
 
 
