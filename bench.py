@@ -9,6 +9,8 @@ MODE is one of
   generate    decoding tokens/s, fixed window vs cache, at batch 1 and 16, and the GB/s of reads
               that implies beside the machine's measured read bandwidth
   represent   input recovery from a layer's activations by gradient descent (paper §3.1-3.3)
+  weights     a checkpoint's masked mixing matrices, tril(W) per layer and head, as one picture
+              and a table of how much weight lies near the diagonal
   race        archs trained for the same wall-clock budget by train.py, val loss vs time as a
               table and a picture (python bench.py race --help: its own keys)
 
@@ -19,7 +21,7 @@ cores; --full swaps in the paper's grid; the command line wins over both. A time
 unless represent gets --ckpt; inputs are random tokens unless --data_dir. The paper's memory
 settings: --batch_size=16 --n_heads=32.
 """
-import contextlib, importlib.util, inspect, json, os, platform, resource, signal, statistics
+import contextlib, importlib.util, inspect, json, os, platform, re, resource, signal, statistics
 import subprocess, sys, time
 from pathlib import Path
 from types import SimpleNamespace
@@ -55,10 +57,13 @@ DEFAULTS = dict(
     mem_limit=12288,        # memory: MB a cell may use before OOM (the paper's 12 GB; 0: none)
     prompt=128, new_tokens=64,  # generate: tokens of the prompt, tokens decoded after it
     methods='window,cache',  # generate: comma list of window and/or cache
-    ckpt='',                # represent: a train.py checkpoint to probe (default: untrained models)
+    ckpt='',                # represent, weights: a train.py checkpoint (represent: untrained
+                            # models without one)
     data_dir='',            # represent: inputs from its val.bin (default: random tokens)
     layer='',               # represent: comma list of layers l whose output is inverted (last)
     steps=500, lr=0.05,     # represent: gradient descent steps; step size, decaying to lr/10
+    positions=0,            # weights: the first this many positions drawn (0: n_ctx, at most 128)
+    out='',                 # weights: the PNG written (default: weights.png beside --ckpt)
 )
 MODE_DEFAULTS = {  # each mode's sizes over DEFAULTS (which hold throughput's)
     'throughput': {},
@@ -66,6 +71,7 @@ MODE_DEFAULTS = {  # each mode's sizes over DEFAULTS (which hold throughput's)
                    batch_size='1'),
     'generate': dict(n_ctx='256', batch_size='1,16'),
     'represent': dict(archs='mixer,llama', n_ctx='32', batch_size='2'),
+    'weights': {},
 }
 FULL = {  # --full: the paper's settings (or the README's headline ones)
     'throughput': dict(d_model=512, n_layers='8', n_ctx='128,256,512,1024'),
@@ -449,6 +455,69 @@ def bench_represent(s):
                                   s.seed)
 
 
+# ----------------------------------------------------------------------------- weights
+
+def mixing_matrices(model):
+    """(layer, panel, matrix (rows, cols)) per Mixing and head, as the model uses it: masked
+    entries 0, softmax mixers' rows softmaxed, kernel > 1 as the norm over its taps (all masked
+    alike). Expanded mixers: mix (hidden, n_ctx) and mix2 (n_ctx, hidden)."""
+    for name, m in model.named_modules():
+        if isinstance(m, Mixing):  # 'backbone.blocks.0.mixers.0.mix.1': layer 1, mix.1
+            stack, i, leaf = re.fullmatch(r'(.*?)blocks\.(\d+)\.mixers\.[\d.]*(.+)', name).groups()
+            W = m.weight.detach().float()                       # (H, R, S) or (H, kernel, R, S)
+            W = W.masked_fill(~allowed(m.direction, W, 0), -torch.inf if m.softmax else 0)
+            W = W.softmax(-1) if m.softmax else W
+            taps = f" (norm over {W.shape[1]} taps)" if W.dim() == 4 else ''
+            for h, M in enumerate(W.norm(dim=1) if taps else W):
+                yield (f"{stack.replace('backbone.', '')}layer {int(i) + 1}",
+                       leaf + f" head {h}" * (len(W) > 1) + taps, M)
+
+
+def near_mass(M, k):
+    """The fraction of row t's |weight| at inputs s with |t - s| < k (causal: the last k positions,
+    t's own included), averaged over the rows t that hold any weight."""
+    A = M.abs()                                                             # (R, S)
+    t, s = torch.arange(A.shape[0])[:, None], torch.arange(A.shape[1])
+    total, near = A.sum(1), (A * ((t - s).abs() < k)).sum(1)
+    return (near[total > 0] / total[total > 0]).mean().item()
+
+
+def bench_weights(s):
+    """--ckpt's mixing matrices in one PNG, a row of panels per layer on one colour scale centred
+    on 0 (its first --positions), and a row each of near_mass at k = 1, 8 and 64."""
+    assert s.ckpt, "weights draws a checkpoint's mixing matrices: pass --ckpt=CKPT"
+    assert s.positions >= 0, f"--positions={s.positions}: draw 1 or more (0: up to 128)"
+    model = model_from_checkpoint(load_checkpoint(s.ckpt))
+    out, layers = s.out or os.path.join(os.path.dirname(s.ckpt), 'weights.png'), {}
+    check_output_file(out, 'out')
+    for layer, panel, M in mixing_matrices(model):
+        layers.setdefault(layer, []).append((panel, M))
+    if not layers:
+        raise ValueError(f"{s.ckpt} holds a {model.cfg.arch} model: its attention depends on the "
+                         f"input, no matrix to draw (weights draws mixers, hybrids and gmlp)")
+    n, cols = min(s.positions or 128, model.cfg.n_ctx), max(map(len, layers.values()))
+    from matplotlib.figure import Figure  # no pyplot: no window, no backend to choose
+    fig = Figure(figsize=(3.2 * cols + 1, 3 * len(layers)), layout='constrained')
+    for axes, (layer, panels) in zip(fig.subplots(len(layers), cols, squeeze=False),
+                                     layers.items()):
+        vmax = max(M[:n, :n].abs().max().item() for _, M in panels) or 1.0  # one scale a layer
+        for ax, (panel, M) in zip(axes, panels):
+            im = ax.imshow(M[:n, :n].numpy(), cmap='RdBu_r', vmin=-vmax, vmax=vmax)
+            ax.set_title(f"{layer} {panel}", fontsize=8)
+            ax.set(xlabel='input position', ylabel='output position')
+        for ax in axes[len(panels):]:
+            ax.set_axis_off()
+        fig.colorbar(im, ax=axes.tolist(), shrink=0.8)
+    fig.suptitle(f"{s.ckpt}: tril(W) as the model uses it, first {n} positions", fontsize=10)
+    write_atomic(out, lambda f: fig.savefig(f, format='png', dpi=80))
+    print(f"wrote {out}\nwithin_k: the fraction of each row's |weight| at inputs s with |t - s| < k"
+          f" (causal: the last k positions, t's own included), averaged over the rows t")
+    for layer, panels in layers.items():
+        for panel, M in panels:
+            yield dict(mode=s.mode, arch=model.cfg.arch, layer=layer, matrix=panel,
+                       **{f"within_{k}": near_mass(M, k) for k in (1, 8, 64)})
+
+
 # ----------------------------------------------------------------------------- tables
 
 def fmt(v):
@@ -463,7 +532,7 @@ def markdown(rows, cols):
 
 
 MEASURE = {'throughput': bench_throughput, 'memory': bench_memory, 'generate': bench_generate,
-           'represent': bench_represent}
+           'represent': bench_represent, 'weights': bench_weights}
 
 
 def run(argv):
