@@ -598,37 +598,102 @@ def race(argv):
     (pretrain for it on left-padded documents: --presets=config/codesearch_mixer.py,
     config/codesearch_llama.py). Ctrl-C stops every run (its checkpoint whole), still writes what
     was measured and exits 130.
+
+    --n_ctx=64,256,1024 (the paper's fig 4) runs a race per n_ctx, one after another, in
+    out_dir/ctxN, with batch_size x n_ctx held at the first race's (or --batch_size=64,16,4, one
+    per n_ctx), then draws out_dir/context.png (best val loss against n_ctx, a line per arch) and
+    writes out_dir/context.md (per race: steps and best val loss per arch, the differences).
     """
-    s = race_settings(argv)
+    cells = race_cells(argv)
+    rows, interrupted = race_sweep(cells) if len(cells) > 1 else race_cell(cells[0])
+    return 130 if interrupted else rows
+
+
+def race_cell(s):
+    """One race of s (race_settings), written to its out_dir: (its table's rows, interrupted?)."""
     print(f"race: {', '.join(s.archs)}, {s.max_time:g} s of training each, evaluated every "
           f"{s.eval_seconds:g} s; {s.dev} {s.dtype} ({s.why}); runs in {s.out_dir}", flush=True)
     curves, status, interrupted = race_runs(s)
     rows = race_table(curves)
     table = markdown(rows, list(rows[0])) if rows else 'no evaluations'
     print(f"\n{table}\n", flush=True)
-    if s.dev.type == 'cuda':
-        machine = torch.cuda.get_device_name(s.dev)
-    else:  # the CPU as platform names it, and the vector instructions torch's kernels use
-        cpu = torch.backends.cpu.get_cpu_capability()
-        machine = f"{platform.processor() or platform.machine()} ({cpu}, {os.cpu_count()} cores)"
-    config = dict(archs=s.archs, max_time=s.max_time, eval_seconds=s.eval_seconds,
-                  device=str(s.dev), dtype=s.dtype, machine=machine, runs=s.runs, status=status,
-                  interrupted=interrupted)
     write_atomic(os.path.join(s.out_dir, 'race.md'), table + '\n')
+    config = dict(archs=s.archs, max_time=s.max_time, eval_seconds=s.eval_seconds,
+                  device=str(s.dev), dtype=s.dtype, machine=s.machine, runs=s.runs, status=status,
+                  interrupted=interrupted)
     result = dict(settings=config, table=rows, curves=curves)
     write_atomic(os.path.join(s.out_dir, 'race.json'), json.dumps(result, indent=1))
-    race_plot(s, curves, machine)
+    race_plot(s, curves)
     print(f"wrote {s.out_dir}/race.md, race.json, race.png", flush=True)
     if interrupted:
         print("interrupted: every run stopped; race.md, race.json and race.png hold what was "
               "measured, each run's last checkpoint is in its folder", file=sys.stderr)
-        return 130
-    return rows
+    return rows, interrupted
 
 
-def race_settings(argv):
+def race_cells(argv):
+    """The settings of each race: argv's, or one per n_ctx of an --n_ctx list, in out_dir/ctxN, its
+    batch_size the first's tokens per step / n_ctx or --batch_size's list; all checked before any
+    run."""
+    lists = {k: int_list(a.split('=', 1)[1], k) for a in argv for k in ('n_ctx', 'batch_size')
+             if a.startswith(f"--{k}=") and ',' in a}
+    rest = [a for a in argv if ',' not in a or not a.startswith(('--n_ctx=', '--batch_size='))]
+    n_ctxs, batches = lists.get('n_ctx', []), lists.get('batch_size', [])
+    assert len(batches) in (0, len(n_ctxs)), "--batch_size: a list needs an --n_ctx list as long"
+    assert len(set(n_ctxs)) == len(n_ctxs), "--n_ctx: a list names each length once"
+    cells = [] if n_ctxs else [race_settings(argv)]
+    for i, n in enumerate(n_ctxs):
+        if i == 1 and not batches:  # the first race's tokens per step, held
+            tokens = cells[0].batch_size * n_ctxs[0]
+            bad = [m for m in n_ctxs if tokens % m]
+            assert not bad, (f"--n_ctx={bad[0]} does not divide the first race's {tokens} tokens "
+                             f"per step: pass --batch_size=B1,B2,... (one per n_ctx)")
+            batches = [tokens // m for m in n_ctxs]
+        batch = [f"--batch_size={b}" for b in batches[i:i + 1]]
+        s = race_settings([*rest, f"--n_ctx={n}", *batch], f"ctx{n}")
+        assert s.n_ctx == n and (not batches or s.batch_size == batches[i]), \
+            "--ARCH.n_ctx, --ARCH.batch_size: an --n_ctx list sets them for every arch"
+        cells.append(s)
+    return cells
+
+
+def race_sweep(cells):
+    """The races of cells one after another, then context.md and context.png in the out_dir that
+    holds them: (a row per race, interrupted?)."""
+    s, rows = cells[0], []
+    per = s.max_time * (1 if s.dev.type == 'cpu' else len(s.archs))  # race_runs: CPU at once
+    print(f"context sweep: {len(cells)} races (n_ctx {', '.join(str(c.n_ctx) for c in cells)}) of "
+          f"{per:g} s of training each, {len(cells) * per / 60:.1f} min in all (evaluation and "
+          f"start-up excluded)", flush=True)
+    for c in cells:
+        table, interrupted = race_cell(c)
+        best = {r['arch']: r for r in table}
+        got = [best.get(a, dict(steps=0, best_val=float('nan'))) for a in c.archs]  # nan: none
+        rows.append(dict(n_ctx=c.n_ctx, batch_size=c.batch_size,
+                         **{f"{a}_steps": r['steps'] for a, r in zip(c.archs, got)},
+                         **{f"{a}_best_val": r['best_val'] for a, r in zip(c.archs, got)},
+                         **{f"{a}-{c.archs[0]}": r['best_val'] - got[0]['best_val']  # > 0: first
+                            for a, r in zip(c.archs[1:], got[1:])}))             # arch ahead
+        if interrupted:
+            break
+    table = markdown(rows, list(rows[0]))
+    print(f"\n{table}\n", flush=True)
+    write_atomic(os.path.join(s.sweep_dir, 'context.md'), table + '\n')
+    fig, (ax,) = race_figure(1)
+    for a in s.archs:
+        ax.plot([r['n_ctx'] for r in rows], [r[f"{a}_best_val"] for r in rows], marker='o', label=a)
+    ax.set_xscale('log', base=2)
+    ax.set_xticks([r['n_ctx'] for r in rows], [str(r['n_ctx']) for r in rows])
+    ax.set(xlabel="n_ctx (each one's batch_size: context.md)", ylabel='best validation loss')
+    race_save(s, fig, [ax], Path(s.sweep_dir, 'context.png'))
+    print(f"wrote {s.sweep_dir}/context.md, context.png", flush=True)
+    return rows, interrupted
+
+
+def race_settings(argv, cell=''):
     """The race's settings, with each arch's train.py arguments (s.runs): bad input fails here,
-    before any run. --KEY=VALUE of train.py goes to every arch, --ARCH.KEY=VALUE to one."""
+    before any run. --KEY=VALUE of train.py goes to every arch, --ARCH.KEY=VALUE to one. cell: a
+    folder in out_dir that holds this race (s.sweep_dir is out_dir)."""
     own, shared, per_arch = [], [], {}
     for arg in argv:
         key, eq, value = arg[2:].partition('=') if arg.startswith('--') else ('', '', '')
@@ -641,6 +706,8 @@ def race_settings(argv):
             own.append(arg)
     doc = inspect.cleandoc(race.__doc__)
     s = SimpleNamespace(**parse_args(own, RACE_DEFAULTS, doc, positional='mode'))
+    s.sweep_dir = s.out_dir
+    s.out_dir = os.path.join(s.out_dir, cell) if cell else s.out_dir
     s.archs = s.archs.split(',')
     for arch in set(s.archs) - set(ARCHS):
         raise ValueError(f"--archs: {arch!r} is unknown: use one of {', '.join(ARCHS)}")
@@ -663,9 +730,13 @@ def race_settings(argv):
             assert cfgs[arch][key] == cfgs[s.archs[0]][key], \
                 f"{arch} would evaluate on other batches ({key}): set --{key} for all archs"
     first = cfgs[s.archs[0]]
+    s.n_ctx, s.batch_size = first['n_ctx'], first['batch_size']
     load_meta(first['data_dir'])  # prepared data, or the one-line error naming prepare.py
     s.dev = resolve_device(first['device'])
     s.torch_dtype, s.why = choose_dtype(s.dev, first['dtype'])
+    cpu = torch.backends.cpu.get_cpu_capability()  # the vector instructions torch's kernels use
+    s.machine = torch.cuda.get_device_name(s.dev) if s.dev.type == 'cuda' else \
+        f"{platform.processor() or platform.machine()} ({cpu}, {os.cpu_count()} cores)"
     s.dtype = str(s.torch_dtype)[6:]
     for arch in s.archs:
         check_run_dir(os.path.join(s.out_dir, arch), fresh=True, overwrite=s.overwrite,
@@ -757,25 +828,35 @@ def race_table(curves):
     return rows
 
 
-def race_plot(s, curves, machine):
+def race_plot(s, curves):
     """race.png: val loss vs training seconds and vs tokens seen, a line per arch."""
-    from matplotlib.figure import Figure  # no pyplot: no window, no backend to choose
-    fig = Figure(figsize=(11, 4.2))
-    axes = fig.subplots(1, 2)
+    fig, axes = race_figure(2)
     for arch, c in curves.items():
         loss = [r['val_loss'] for r in c]
         axes[0].plot([r['time'] for r in c], loss, marker='.', label=arch)
         axes[1].plot([r['tokens_seen'] for r in c], loss, marker='.', label=arch)
     axes[0].set(xlabel='seconds of training (evaluation excluded)', ylabel='validation loss')
     axes[1].set(xlabel='tokens seen', ylabel='validation loss')
+    race_save(s, fig, axes, Path(s.out_dir, 'race.png'))
+
+
+def race_figure(panels):
+    """A figure of panels side by side, and their axes."""
+    from matplotlib.figure import Figure  # no pyplot: no window, no backend to choose
+    fig = Figure(figsize=(4 + 3.5 * panels, 4.2))
+    return fig, fig.subplots(1, panels, squeeze=False)[0]
+
+
+def race_save(s, fig, axes, path):
+    """A grid and a legend on each of axes, the race's title, then fig as the PNG path."""
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
     how = 'at once, 1 thread each' if s.dev.type == 'cpu' else 'one after another'
-    fig.suptitle(f"{machine}, {s.dtype}: {s.max_time:g} s of training per model ({how})",
+    fig.suptitle(f"{s.machine}, {s.dtype}: {s.max_time:g} s of training per model ({how})",
                  fontsize=10)
     fig.tight_layout()
-    write_atomic(Path(s.out_dir, 'race.png'), lambda f: fig.savefig(f, format='png', dpi=80))
+    write_atomic(path, lambda f: fig.savefig(f, format='png', dpi=80))
 
 
 def main(argv=None):

@@ -276,3 +276,29 @@ def test_bench_weights_refuses_attention_and_no_ckpt(tmp_path, capsys):
     err = refused(capsys, 'bench', ['weights', f'--ckpt={llama}'], 'llama')
     assert 'depends on the input' in err and not (tmp_path / 'weights.png').exists()
     refused(capsys, 'bench', ['weights'], '--ckpt')
+
+
+def test_race_over_context_lengths(data, tmp_path, capsys):
+    """--n_ctx=8,16: a race in each of ctx8/ and ctx16/, the second at half the first's batch
+    (tokens per step held) unless --batch_size lists one per n_ctx, then context.md and
+    context.png; a batch that does not divide, or a --batch_size list of another length, is
+    refused before any run."""
+    argv = ['race', f'--data_dir={data}', f'--out_dir={tmp_path}', *RACE_TINY, '--max_time=1',
+            '--eval_seconds=0.5', '--batch_size=4']
+    refused(capsys, 'bench', [*argv, '--n_ctx=8,12'], '--n_ctx=12')
+    refused(capsys, 'bench', [*argv, '--n_ctx=8,16', '--batch_size=4,2,1'], '--batch_size')
+    cells = bench.race_cells([*argv, '--n_ctx=8,16', '--batch_size=3,5'])  # settings, no run
+    assert [(c.n_ctx, c.batch_size, c.out_dir) for c in cells] == [
+        (8, 3, f'{tmp_path}/ctx8'), (16, 5, f'{tmp_path}/ctx16')]
+    one, = bench.race_cells([*argv, '--n_ctx=8'])  # one n_ctx: the race as it always was
+    assert (one.n_ctx, one.batch_size, one.out_dir) == (8, 4, str(tmp_path))
+    rows = bench.main([*argv, '--n_ctx=8,16'])
+    assert [(r['n_ctx'], r['batch_size']) for r in rows] == [(8, 4), (16, 2)]
+    assert all(r['mixer_steps'] > 0 and isinstance(r['llama-mixer'], float) for r in rows)
+    for n, batch in ((8, 4), (16, 2)):
+        race = json.loads((tmp_path / f'ctx{n}/race.json').read_text())
+        assert all(r['tokens'] == 32 * r['steps'] for r in race['table'])  # batch x n_ctx
+        assert (tmp_path / f'ctx{n}/race.png').read_bytes()[:4] == b'\x89PNG'
+    assert '| n_ctx | batch_size | mixer_steps |' in (tmp_path / 'context.md').read_text()
+    assert (tmp_path / 'context.png').read_bytes()[:4] == b'\x89PNG'
+    assert 'context sweep' in capsys.readouterr().out
