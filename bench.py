@@ -9,30 +9,29 @@ MODE is one of
   generate    decoding tokens/s, fixed window vs cache, at batch 1 and 16, and the GB/s of reads
               that implies beside the machine's measured read bandwidth
   represent   input recovery from a layer's activations by gradient descent (paper §3.1-3.3)
+  weights     a checkpoint's masked mixing matrices, tril(W) per layer and head, as one picture
+              and a table of how much weight lies near the diagonal
   race        archs trained for the same wall-clock budget by train.py, val loss vs time as a
               table and a picture (python bench.py race --help: its own keys)
 
 --archs, --n_ctx and --n_layers take comma lists and every mode runs their product (--batch_size
 too, in generate). Sizes default per mode (`MODE --help` lists them), minutes each on 2 CPU
-cores; --full swaps in the paper's grid; the command line wins over both. A timed cell
-(throughput, generate) runs --repeats times and its row holds the median. Models are untrained
-unless represent gets --ckpt; inputs are random tokens unless --data_dir. The paper's memory
+cores; --full swaps in the paper's grid; the command line wins over both. The paper's memory
 settings: --batch_size=16 --n_heads=32.
 """
-import contextlib, importlib.util, inspect, json, os, platform, resource, signal, statistics
+import contextlib, importlib.util, inspect, json, os, platform, re, resource, signal, statistics
 import subprocess, sys, time
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 
-from model import (ARCHS, Attention, Backbone, ELiTAAttention, ELiTAFeedForward, GatedMLP, MLP,
-                   Mixing, ModelConfig, SwiGLU, TokenMixing, allowed, build_model, flops_per_token)
+from model import (ARCHS, Attention, Backbone, GatedMLP, Mixing, ModelConfig, TokenMixing, allowed,
+                   build_model, flops_per_token)
 from configurator import check_output_file, int_list, parse_args, run_main, write_atomic
 from sample import compiled_step, decode_layout
-from train import (CHOICES, DEFAULTS as TRAIN_DEFAULTS, autocast, choose_dtype, peak_flops,
-                   check_run_dir, configure_optimizer, load_checkpoint, load_meta,
+from train import (CHOICES, DEFAULTS as TRAIN_DEFAULTS, Batches, autocast, choose_dtype,
+                   peak_flops, check_run_dir, configure_optimizer, load_checkpoint, load_meta,
                    model_from_checkpoint, resolve_device, sync)
 
 DEFAULTS = dict(
@@ -55,13 +54,14 @@ DEFAULTS = dict(
     mem_limit=12288,        # memory: MB a cell may use before OOM (the paper's 12 GB; 0: none)
     prompt=128, new_tokens=64,  # generate: tokens of the prompt, tokens decoded after it
     methods='window,cache',  # generate: comma list of window and/or cache
-    ckpt='',                # represent: a train.py checkpoint to probe (default: untrained models)
+    ckpt='',                # represent (default: untrained models), weights: a train.py checkpoint
     data_dir='',            # represent: inputs from its val.bin (default: random tokens)
     layer='',               # represent: comma list of layers l whose output is inverted (last)
     steps=500, lr=0.05,     # represent: gradient descent steps; step size, decaying to lr/10
+    positions=0,            # weights: the first this many positions drawn (0: n_ctx, at most 128)
+    out='',                 # weights: the PNG written (default: weights.png beside --ckpt)
 )
 MODE_DEFAULTS = {  # each mode's sizes over DEFAULTS (which hold throughput's)
-    'throughput': {},
     'memory': dict(archs='mixer,llama', d_model=1024, n_layers='4,8', n_ctx='512,1024,2048',
                    batch_size='1'),
     'generate': dict(n_ctx='256', batch_size='1,16'),
@@ -73,13 +73,10 @@ FULL = {  # --full: the paper's settings (or the README's headline ones)
     'generate': dict(n_layers='8', n_ctx='512', prompt=256, new_tokens=256),
     'represent': dict(d_model=512, n_layers='8'),
 }
-# memory_cell: one cell of memory mode, run by it in a fresh interpreter
-BENCH_CHOICES = dict(mode=(*MODE_DEFAULTS, 'race', 'memory_cell'), dtype=CHOICES['dtype'])
 
 
 def settings(argv):
-    """argv's settings: DEFAULTS, its mode's sizes (the paper's with --full), then argv itself;
-    comma lists split, the device and dtype resolved."""
+    """argv's settings: DEFAULTS, its mode's sizes (the paper's with --full), then argv itself."""
     s = parse_args(argv, DEFAULTS, __doc__, BENCH_CHOICES, 'mode', MODE_DEFAULTS)
     if s['full']:  # parsed again so that argv's own values still win over the paper's
         full = {mode: dict(MODE_DEFAULTS[mode], **FULL[mode]) for mode in FULL}
@@ -109,12 +106,10 @@ def grid(s):
 
 
 def flags(keys):
-    """{key: value} -> ['--key=value', ...], a script's command line."""
     return [f"--{k}={v}" for k, v in keys.items()]
 
 
 def row(s, cfg, **measured):
-    """One result: the mode, the model's sizes, the dtype, then what was measured."""
     return dict(mode=s.mode, arch=cfg.arch, d_model=cfg.d_model, n_layers=cfg.n_layers,
                 n_ctx=cfg.n_ctx, dtype=s.dtype, **measured)
 
@@ -129,8 +124,7 @@ def bench_throughput(s):
     print(f"peak: {peak / 1e9:.0f} GFLOP/s ({s.dtype} on {s.device}: train.peak_flops)")
     gen = torch.Generator().manual_seed(s.seed)
     for cfg in grid(s):
-        xy = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx + 1), generator=gen)
-        xy = xy.to(s.dev)                                                   # (B, n_ctx + 1)
+        xy = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx + 1), generator=gen).to(s.dev)
         torch.manual_seed(s.seed)
         model = build_model(cfg).to(s.dev).train()
         step = torch.compile(model) if s.compile else model
@@ -164,27 +158,26 @@ def proc_status(key):
 
 
 def memory_cell(s):
-    """Subprocess body: one forward + backward of grid(s)[0]'s backbone (no lm head); prints peak
-    bytes as JSON. --archs=none builds nothing and gives the interpreter + torch baseline."""
-    torch.ones(64, 64) @ torch.ones(64, 64)   # start the thread pool, as every cell does
-    # allocations past --mem_limit fail: CUDA's by a memory fraction, the CPU's by an address cap
-    if s.mem_limit and s.dev.type == 'cuda':
+    """Subprocess body: one forward + backward of grid(s)[0]'s backbone (no lm head); prints its
+    peak bytes as JSON, on a CPU over those the interpreter and torch held before it."""
+    torch.ones(64, 64) @ torch.ones(64, 64)   # start the thread pool: the baseline holds it
+    cuda = s.dev.type == 'cuda'
+    base = 0 if cuda else proc_status('VmHWM')
+    if s.mem_limit and cuda:
         total = torch.cuda.get_device_properties(s.dev).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, s.mem_limit * 2**20 / total), s.dev)
     elif s.mem_limit:
         limit = proc_status('VmSize') + s.mem_limit * 2**20   # what this process maps, plus it
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
     try:
-        if s.archs != ['none']:
-            cfg = grid(s)[0]
-            backbone = Backbone(cfg).to(s.dev)
-            idx = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx), device=s.dev)
-            with autocast(s.dev, s.torch_dtype):
-                h = backbone(idx)                                       # (B, n_ctx, d_model)
-            h.float().sum().backward()
-            sync(s.dev)
-        cuda = s.dev.type == 'cuda'
-        peak = torch.cuda.max_memory_allocated(s.dev) if cuda else proc_status('VmHWM')
+        cfg = grid(s)[0]
+        backbone = Backbone(cfg).to(s.dev)
+        idx = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx), device=s.dev)
+        with autocast(s.dev, s.torch_dtype):
+            h = backbone(idx)                                           # (B, n_ctx, d_model)
+        h.float().sum().backward()
+        sync(s.dev)
+        peak = (torch.cuda.max_memory_allocated(s.dev) if cuda else proc_status('VmHWM')) - base
     except (RuntimeError, MemoryError) as e:  # torch's allocators raise RuntimeError
         if isinstance(e, RuntimeError) and 'memory' not in str(e).lower():
             raise
@@ -205,10 +198,9 @@ def run_cell(s, arch, n_layers, n_ctx):
 
 
 def bench_memory(s):
-    base = 0 if s.dev.type == 'cuda' else run_cell(s, 'none', 1, 2)
     for cfg in grid(s):
         peak = run_cell(s, cfg.arch, cfg.n_layers, cfg.n_ctx)
-        mb = None if peak is None else (peak - base) / 2**20
+        mb = None if peak is None else peak / 2**20
         print(f"  {cfg.arch} n_layers={cfg.n_layers} n_ctx={cfg.n_ctx}: "
               + ('OOM' if mb is None else f"{mb:.0f} MB"), flush=True)
         yield row(s, cfg, n_heads=cfg.n_heads, batch_size=s.batch_size, mb=mb)
@@ -267,8 +259,7 @@ def bench_generate(s):
             for method in s.methods.split(','):
                 if method == 'window' and batch != s.batch_size[0]:
                     continue
-                # warm-up: two tokens; with --compile every timed position (its compile, and
-                # on a GPU its CUDA graph)
+                # warm-up: two tokens; compiled, every timed position (its compile, CUDA graph)
                 warm = s.new_tokens if step and method == 'cache' else 2
                 warmup = decode_stamps(model, prompt, warm, method, step, s)[-1]
                 runs = [decode_stamps(model, prompt, s.new_tokens, method, step, s)
@@ -286,36 +277,6 @@ def bench_generate(s):
                           batch_size=batch, compile=s.compile and method == 'cache',
                           warmup_s=warmup, tokens_per_s=tps, mb_per_step=step_bytes / 1e6,
                           gb_per_s=gb_per_s, read_gb_per_s=bandwidth / 1e9)
-
-
-# ----------------------------------------------------------------------------- accounting
-
-def param_counts(model):
-    """Parameters split as the paper does: token mixing (mixings, attention), feed-forward,
-    embedding (token and position tables, lm head) and other (norms, heads). mixing_effective
-    leaves out the mixing entries no output depends on (masked ones, never-read hidden rows)."""
-    kinds = [('mixing', (TokenMixing, Mixing, Attention, ELiTAAttention)),
-             ('feedforward', (MLP, SwiGLU, ELiTAFeedForward, GatedMLP)),
-             ('embedding', torch.nn.Embedding)]
-    counts, seen = {}, set()
-    for kind, types in kinds:  # a parameter counts once, in the first kind that claims it
-        claimed = {id(p): p.numel() for name, mod in model.named_modules() for p in mod.parameters()
-                   if isinstance(mod, types) or (kind == 'embedding' and name.endswith('lm_head'))}
-        counts[kind] = sum(n for i, n in claimed.items() if i not in seen)
-        seen |= claimed.keys()
-    counts['other'] = sum(p.numel() for p in model.parameters() if id(p) not in seen)
-    counts['total'] = sum(counts.values())
-    reads = {id(t.mix): t.mix2.weight.shape[-2] for t in model.modules()  # rows mix2 reads
-             if isinstance(t, TokenMixing) and t.mix2 is not None}
-    unused = 0
-    for m in (m for m in model.modules() if isinstance(m, Mixing)):
-        n_out = m.weight.shape[-2]
-        rows = min(n_out, reads.get(id(m), n_out))
-        kept = int(allowed(m.direction, m.weight[..., :rows, :], 0).sum())
-        unused += m.weight.numel() + m.bias.numel() - m.weight[..., 0, 0].numel() * kept \
-            - m.bias.shape[0] * rows
-    counts['mixing_effective'] = counts['mixing'] - unused
-    return counts
 
 
 def decode_bytes(model, pos, batch=1, cached=True):
@@ -432,21 +393,78 @@ def bench_represent(s):
         torch.manual_seed(s.seed)
         model = model_from_checkpoint(load_checkpoint(s.ckpt)) if s.ckpt else build_model(cfg)
         cfg, pad_id = model.cfg, None
-        if s.data_dir:
+        if s.data_dir:  # validation windows as train.py draws them, its checks of the data too
             meta = load_meta(s.data_dir)
-            data = np.memmap(os.path.join(s.data_dir, 'val.bin'), dtype=meta['dtype'], mode='r')
-            if len(data) <= cfg.n_ctx or meta['vocab_size'] > cfg.vocab_size:
-                raise ValueError(f"--data_dir={s.data_dir} does not fit the model (needs > n_ctx "
-                                 f"tokens, vocab <= {cfg.vocab_size})")
-            starts = torch.randint(len(data) - cfg.n_ctx, (s.batch_size,), generator=gen)
-            idx = torch.from_numpy(np.stack([data[i:i + cfg.n_ctx].astype(np.int64)
-                                             for i in starts.tolist()]))
-            pad_id = meta.get('pad_id')
+            assert meta['vocab_size'] <= cfg.vocab_size, \
+                f"--data_dir={s.data_dir}: its vocab of {meta['vocab_size']} exceeds the model's"
+            keys = dict(TRAIN_DEFAULTS, n_ctx=cfg.n_ctx, batch_size=s.batch_size, seed=s.seed)
+            idx, pad_id = Batches(keys, meta, s.data_dir)('val', None, 0)[0], meta['pad_id']
         else:
             idx = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx), generator=gen)  # (B, T)
         layers = int_list(s.layer, 'layer') if s.layer else [cfg.n_layers]
         yield from represent_rows(model.to(s.dev), idx.to(s.dev), layers, s.steps, s.lr, pad_id,
                                   s.seed)
+
+
+# ----------------------------------------------------------------------------- weights
+
+def mixing_matrices(model):
+    """(layer, panel, matrix (rows, cols)) per Mixing and head, as the model uses it: masked
+    entries 0, softmax mixers' rows softmaxed, kernel > 1 as the norm over its taps (all masked
+    alike). Expanded mixers: mix (hidden, n_ctx) and mix2 (n_ctx, hidden)."""
+    for name, m in model.named_modules():
+        if isinstance(m, Mixing):  # 'backbone.blocks.0.mixers.0.mix.1': layer 1, mix.1
+            stack, i, leaf = re.fullmatch(r'(.*?)blocks\.(\d+)\.mixers\.[\d.]*(.+)', name).groups()
+            W = m.weight.detach().float()                       # (H, R, S) or (H, kernel, R, S)
+            W = W.masked_fill(~allowed(m.direction, W, 0), -torch.inf if m.softmax else 0)
+            W = W.softmax(-1) if m.softmax else W
+            taps = f" (norm over {W.shape[1]} taps)" if W.dim() == 4 else ''
+            for h, M in enumerate(W.norm(dim=1) if taps else W):
+                yield (f"{stack.replace('backbone.', '')}layer {int(i) + 1}",
+                       leaf + f" head {h}" * (len(W) > 1) + taps, M)
+
+
+def near_mass(M, k):
+    """The fraction of row t's |weight| at inputs s with |t - s| < k (causal: the last k positions,
+    t's own included), averaged over the rows t that hold any weight."""
+    A = M.abs()                                                             # (R, S)
+    t, s = torch.arange(A.shape[0])[:, None], torch.arange(A.shape[1])
+    total, near = A.sum(1), (A * ((t - s).abs() < k)).sum(1)
+    return (near[total > 0] / total[total > 0]).mean().item()
+
+
+def bench_weights(s):
+    """--ckpt's mixing matrices in one PNG, a row of panels per layer on one colour scale centred
+    on 0 (its first --positions), and a row each of near_mass at k = 1, 8 and 64."""
+    assert s.ckpt, "weights draws a checkpoint's mixing matrices: pass --ckpt=CKPT"
+    assert s.positions >= 0, f"--positions={s.positions}: draw 1 or more (0: up to 128)"
+    model = model_from_checkpoint(load_checkpoint(s.ckpt))
+    out, layers = s.out or os.path.join(os.path.dirname(s.ckpt), 'weights.png'), {}
+    check_output_file(out, 'out')
+    for layer, panel, M in mixing_matrices(model):
+        layers.setdefault(layer, []).append((panel, M))
+    if not layers:
+        raise ValueError(f"{s.ckpt} holds a {model.cfg.arch} model: its attention depends on the "
+                         f"input, no matrix to draw (weights draws mixers, hybrids and gmlp)")
+    n, cols = min(s.positions or 128, model.cfg.n_ctx), max(map(len, layers.values()))
+    from matplotlib.figure import Figure  # no pyplot: no window, no backend to choose
+    fig = Figure(figsize=(3.2 * cols + 1, 3 * len(layers)), layout='constrained')
+    for axes, (layer, panels) in zip(fig.subplots(len(layers), cols, squeeze=False),
+                                     layers.items()):
+        vmax = max(M[:n, :n].abs().max().item() for _, M in panels) or 1.0  # one scale a layer
+        for ax, (panel, M) in zip(axes, panels):
+            im = ax.imshow(M[:n, :n].numpy(), cmap='RdBu_r', vmin=-vmax, vmax=vmax)
+            ax.set_title(f"{layer} {panel}", fontsize=8)
+            ax.set(xlabel='input position', ylabel='output position')
+        fig.colorbar(im, ax=axes.tolist(), shrink=0.8)
+    fig.suptitle(f"{s.ckpt}: tril(W) as the model uses it, first {n} positions", fontsize=10)
+    write_atomic(out, lambda f: fig.savefig(f, format='png', dpi=80))
+    print(f"wrote {out}\nwithin_k: the fraction of each row's |weight| at inputs s with |t - s| < k"
+          f" (causal: the last k positions, t's own included), averaged over the rows t")
+    for layer, panels in layers.items():
+        for panel, M in panels:
+            yield dict(mode=s.mode, arch=model.cfg.arch, layer=layer, matrix=panel,
+                       **{f"within_{k}": near_mass(M, k) for k in (1, 8, 64)})
 
 
 # ----------------------------------------------------------------------------- tables
@@ -463,7 +481,9 @@ def markdown(rows, cols):
 
 
 MEASURE = {'throughput': bench_throughput, 'memory': bench_memory, 'generate': bench_generate,
-           'represent': bench_represent}
+           'represent': bench_represent, 'weights': bench_weights}
+# memory_cell: one cell of memory mode, run by it in a fresh interpreter
+BENCH_CHOICES = dict(mode=(*MEASURE, 'race', 'memory_cell'), dtype=CHOICES['dtype'])
 
 
 def run(argv):
@@ -510,8 +530,7 @@ def race(argv):
     a table, a JSON file and a picture of validation loss against training time (the paper's
     central comparison).
 
-        python bench.py race [--archs=mixer,llama] [--max_time=SECONDS] [--out_dir=DIR]
-            [--presets=A.py,B.py] [--overwrite] [--KEY=VALUE] [--ARCH.KEY=VALUE]
+        python bench.py race [--archs=mixer,llama] [--KEY=VALUE ...] [--ARCH.KEY=VALUE ...]
 
     Each arch trains through train.py for --max_time seconds of training, evaluation excluded: on
     a CPU all at once, one thread each, so that they share the machine's load; on a GPU one after
@@ -529,37 +548,105 @@ def race(argv):
     (pretrain for it on left-padded documents: --presets=config/codesearch_mixer.py,
     config/codesearch_llama.py). Ctrl-C stops every run (its checkpoint whole), still writes what
     was measured and exits 130.
+
+    --n_ctx=64,256,1024 (the paper's fig 4) runs a race per n_ctx, one after another, in
+    out_dir/ctxN, with batch_size x n_ctx held at the first race's (or --batch_size=64,16,4, one
+    per n_ctx), then draws out_dir/context.png (best val loss against n_ctx, a line per arch) and
+    writes out_dir/context.md (per race: steps and best val loss per arch, the differences).
     """
-    s = race_settings(argv)
+    cells = race_cells(argv)
+    if len(cells) == 1:
+        rows, interrupted = race_cell(cells[0])
+        return 130 if interrupted else rows
+    s, rows, folder = cells[0], [], os.path.dirname(cells[0].out_dir)
+    per = s.max_time * (1 if s.dev.type == 'cpu' else len(s.archs))  # race_runs: CPU at once
+    print(f"context sweep: n_ctx {', '.join(str(c.n_ctx) for c in cells)}, {per:g} s of training "
+          f"each, {len(cells) * per / 60:.1f} min in all (evaluation and start-up excluded)")
+    for c in cells:
+        table, interrupted = race_cell(c)
+        got = {r['arch']: r for r in table}
+        best = [got[a]['best_val'] if a in got else float('nan') for a in c.archs]  # nan: no eval
+        summary = dict(n_ctx=c.n_ctx, batch_size=c.batch_size)  # differences > 0: first ahead
+        summary.update({f"{a}_steps": got[a]['steps'] if a in got else 0 for a in c.archs})
+        summary.update({f"{a}_best_val": v for a, v in zip(c.archs, best)})
+        summary.update({f"{a}-{c.archs[0]}": v - best[0] for a, v in zip(c.archs[1:], best[1:])})
+        rows.append(summary)
+        if interrupted:
+            break
+    table = markdown(rows, list(rows[0]))
+    print(f"\n{table}\n", flush=True)
+    write_atomic(os.path.join(folder, 'context.md'), table + '\n')
+    n_ctxs = [r['n_ctx'] for r in rows]
+    with race_png(s, Path(folder, 'context.png'), 1) as (ax,):
+        for a in s.archs:
+            ax.plot(n_ctxs, [r[f"{a}_best_val"] for r in rows], marker='o', label=a)
+        ax.set_xscale('log', base=2)
+        ax.set_xticks(n_ctxs, [str(n) for n in n_ctxs])
+        ax.set(xlabel="n_ctx (each one's batch_size: context.md)", ylabel='best validation loss')
+    print(f"wrote {folder}/context.md, context.png", flush=True)
+    return 130 if interrupted else rows
+
+
+def race_cells(argv):
+    """The settings of each race, all checked before any run: argv's; or with --n_ctx=A,B,C one per
+    n_ctx in out_dir/ctxN, batch_size x n_ctx held at the first's (or --batch_size=A,B,C)."""
+    lists, rest = {}, []
+    for arg in argv:
+        key, _, value = arg.partition('=')
+        if key in ('--n_ctx', '--batch_size') and ',' in value:
+            lists[key[2:]] = int_list(value, key[2:])
+        else:
+            rest.append(arg)
+    n_ctxs, batches = lists.get('n_ctx', []), lists.get('batch_size', [])
+    assert len(batches) in (0, len(n_ctxs)), "--batch_size: a list needs an --n_ctx list as long"
+    assert len(set(n_ctxs)) == len(n_ctxs), "--n_ctx: a list names each length once"
+    cells = [] if n_ctxs else [race_settings(argv)]
+    for i, n in enumerate(n_ctxs):
+        batch = [f"--batch_size={b}" for b in batches[i:i + 1]]
+        cells.append(race_settings([*rest, f"--n_ctx={n}", *batch], f"ctx{n}"))
+        if not batches:  # the first race's tokens per step, held
+            tokens = cells[0].batch_size * n
+            bad = [m for m in n_ctxs if tokens % m]
+            assert not bad, (f"--n_ctx={bad[0]} does not divide the first race's {tokens} tokens "
+                             f"per step: pass --batch_size=B1,B2,... (one per n_ctx)")
+            batches = [tokens // m for m in n_ctxs]
+        assert (cells[-1].n_ctx, cells[-1].batch_size) == (n, batches[i]), \
+            "--ARCH.n_ctx, --ARCH.batch_size: an --n_ctx list sets them for every arch"
+    return cells
+
+
+def race_cell(s):
+    """One race of s (race_settings), written to its out_dir: (its table's rows, interrupted?)."""
     print(f"race: {', '.join(s.archs)}, {s.max_time:g} s of training each, evaluated every "
           f"{s.eval_seconds:g} s; {s.dev} {s.dtype} ({s.why}); runs in {s.out_dir}", flush=True)
     curves, status, interrupted = race_runs(s)
     rows = race_table(curves)
     table = markdown(rows, list(rows[0])) if rows else 'no evaluations'
     print(f"\n{table}\n", flush=True)
-    if s.dev.type == 'cuda':
-        machine = torch.cuda.get_device_name(s.dev)
-    else:  # the CPU as platform names it, and the vector instructions torch's kernels use
-        cpu = torch.backends.cpu.get_cpu_capability()
-        machine = f"{platform.processor() or platform.machine()} ({cpu}, {os.cpu_count()} cores)"
-    config = dict(archs=s.archs, max_time=s.max_time, eval_seconds=s.eval_seconds,
-                  device=str(s.dev), dtype=s.dtype, machine=machine, runs=s.runs, status=status,
-                  interrupted=interrupted)
     write_atomic(os.path.join(s.out_dir, 'race.md'), table + '\n')
+    config = dict(archs=s.archs, max_time=s.max_time, eval_seconds=s.eval_seconds,
+                  device=str(s.dev), dtype=s.dtype, machine=s.machine, runs=s.runs, status=status,
+                  interrupted=interrupted)
     result = dict(settings=config, table=rows, curves=curves)
     write_atomic(os.path.join(s.out_dir, 'race.json'), json.dumps(result, indent=1))
-    race_plot(s, curves, machine)
+    with race_png(s, Path(s.out_dir, 'race.png'), 2) as (by_time, by_tokens):
+        for arch, c in curves.items():
+            loss = [r['val_loss'] for r in c]
+            by_time.plot([r['time'] for r in c], loss, marker='.', label=arch)
+            by_tokens.plot([r['tokens_seen'] for r in c], loss, marker='.', label=arch)
+        by_time.set(xlabel='seconds of training (evaluation excluded)', ylabel='validation loss')
+        by_tokens.set(xlabel='tokens seen', ylabel='validation loss')
     print(f"wrote {s.out_dir}/race.md, race.json, race.png", flush=True)
     if interrupted:
         print("interrupted: every run stopped; race.md, race.json and race.png hold what was "
               "measured, each run's last checkpoint is in its folder", file=sys.stderr)
-        return 130
-    return rows
+    return rows, interrupted
 
 
-def race_settings(argv):
+def race_settings(argv, cell=''):
     """The race's settings, with each arch's train.py arguments (s.runs): bad input fails here,
-    before any run. --KEY=VALUE of train.py goes to every arch, --ARCH.KEY=VALUE to one."""
+    before any run. --KEY=VALUE of train.py goes to every arch, --ARCH.KEY=VALUE to one. cell: a
+    folder in out_dir that holds this race."""
     own, shared, per_arch = [], [], {}
     for arg in argv:
         key, eq, value = arg[2:].partition('=') if arg.startswith('--') else ('', '', '')
@@ -572,6 +659,7 @@ def race_settings(argv):
             own.append(arg)
     doc = inspect.cleandoc(race.__doc__)
     s = SimpleNamespace(**parse_args(own, RACE_DEFAULTS, doc, positional='mode'))
+    s.out_dir = os.path.join(s.out_dir, cell) if cell else s.out_dir
     s.archs = s.archs.split(',')
     for arch in set(s.archs) - set(ARCHS):
         raise ValueError(f"--archs: {arch!r} is unknown: use one of {', '.join(ARCHS)}")
@@ -594,10 +682,14 @@ def race_settings(argv):
             assert cfgs[arch][key] == cfgs[s.archs[0]][key], \
                 f"{arch} would evaluate on other batches ({key}): set --{key} for all archs"
     first = cfgs[s.archs[0]]
+    s.n_ctx, s.batch_size = first['n_ctx'], first['batch_size']
     load_meta(first['data_dir'])  # prepared data, or the one-line error naming prepare.py
     s.dev = resolve_device(first['device'])
-    s.torch_dtype, s.why = choose_dtype(s.dev, first['dtype'])
-    s.dtype = str(s.torch_dtype)[6:]
+    dtype, s.why = choose_dtype(s.dev, first['dtype'])
+    s.dtype = str(dtype)[6:]
+    cpu = torch.backends.cpu.get_cpu_capability()  # the vector instructions torch's kernels use
+    s.machine = torch.cuda.get_device_name(s.dev) if s.dev.type == 'cuda' else \
+        f"{platform.processor() or platform.machine()} ({cpu}, {os.cpu_count()} cores)"
     for arch in s.archs:
         check_run_dir(os.path.join(s.out_dir, arch), fresh=True, overwrite=s.overwrite,
                       resumable=False)
@@ -650,26 +742,19 @@ def race_runs(s):
                         ended(arch, running.pop(arch))
     except KeyboardInterrupt:
         interrupted = True
-    finally:  # whatever stopped the race stops its runs too
-        race_stop(list(running.values()))
-    for arch, p in running.items():  # interrupted: what the stopped runs logged last
-        ended(arch, p)
+    finally:  # whatever stopped the race stops the runs left: SIGINT to each one's process group
+        for p in running.values():  # (it exits as after Ctrl-C, its checkpoint whole)
+            with contextlib.suppress(ProcessLookupError):  # its group is gone: it ended meanwhile
+                os.killpg(p.pid, signal.SIGINT)
+        deadline = time.time() + 30
+        for arch, p in running.items():
+            try:
+                p.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:  # still there after 30 s: SIGKILL, to its group too
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            ended(arch, p)  # what it logged last
     return curves, status, interrupted
-
-
-def race_stop(procs):
-    """SIGINT to each run's process group (it exits as after Ctrl-C, its checkpoint whole), SIGKILL
-    to any still there after 30 s."""
-    for p in procs:
-        with contextlib.suppress(ProcessLookupError):  # its group is gone: it ended meanwhile
-            os.killpg(p.pid, signal.SIGINT)
-    deadline = time.time() + 30
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:  # still there: its group is too
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
 
 
 def race_table(curves):
@@ -688,25 +773,22 @@ def race_table(curves):
     return rows
 
 
-def race_plot(s, curves, machine):
-    """race.png: val loss vs training seconds and vs tokens seen, a line per arch."""
+@contextlib.contextmanager
+def race_png(s, path, panels):
+    """Axes of panels side by side to draw on, then a grid and a legend on each and the race's
+    title, written as the PNG path."""
     from matplotlib.figure import Figure  # no pyplot: no window, no backend to choose
-    fig = Figure(figsize=(11, 4.2))
-    axes = fig.subplots(1, 2)
-    for arch, c in curves.items():
-        loss = [r['val_loss'] for r in c]
-        axes[0].plot([r['time'] for r in c], loss, marker='.', label=arch)
-        axes[1].plot([r['tokens_seen'] for r in c], loss, marker='.', label=arch)
-    axes[0].set(xlabel='seconds of training (evaluation excluded)', ylabel='validation loss')
-    axes[1].set(xlabel='tokens seen', ylabel='validation loss')
+    fig = Figure(figsize=(4 + 3.5 * panels, 4.2))
+    axes = fig.subplots(1, panels, squeeze=False)[0]
+    yield axes
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
     how = 'at once, 1 thread each' if s.dev.type == 'cpu' else 'one after another'
-    fig.suptitle(f"{machine}, {s.dtype}: {s.max_time:g} s of training per model ({how})",
+    fig.suptitle(f"{s.machine}, {s.dtype}: {s.max_time:g} s of training per model ({how})",
                  fontsize=10)
     fig.tight_layout()
-    write_atomic(Path(s.out_dir, 'race.png'), lambda f: fig.savefig(f, format='png', dpi=80))
+    write_atomic(path, lambda f: fig.savefig(f, format='png', dpi=80))
 
 
 def main(argv=None):

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import bench, model as M, train
+import model as M, train
 from model import ModelConfig, build_model
 from prepare import Tokenizer
 from tests.conftest import (V, N, D, ARCHS, VOCAB, N_CTX, name, VARIANTS, PADDED, assert_causal,
@@ -150,6 +150,34 @@ def test_mixings_and_mlps_match_their_formulas():
     assert torch.allclose(F.gelu(x, approximate='tanh'), gelu_tanh)
 
 
+def param_counts(model):
+    """Parameters split as the paper does: token mixing (mixings, attention), feed-forward,
+    embedding (token and position tables, lm head) and other (norms, heads). mixing_effective
+    leaves out the mixing entries no output depends on (masked ones, never-read hidden rows)."""
+    kinds = [('mixing', (M.TokenMixing, M.Mixing, M.Attention, M.ELiTAAttention)),
+             ('feedforward', (M.MLP, M.SwiGLU, M.ELiTAFeedForward, M.GatedMLP)),
+             ('embedding', torch.nn.Embedding)]
+    counts, seen = {}, set()
+    for kind, types in kinds:  # a parameter counts once, in the first kind that claims it
+        claimed = {id(p): p.numel() for name, mod in model.named_modules() for p in mod.parameters()
+                   if isinstance(mod, types) or (kind == 'embedding' and name.endswith('lm_head'))}
+        counts[kind] = sum(n for i, n in claimed.items() if i not in seen)
+        seen |= claimed.keys()
+    counts['other'] = sum(p.numel() for p in model.parameters() if id(p) not in seen)
+    counts['total'] = sum(counts.values())
+    reads = {id(t.mix): t.mix2.weight.shape[-2] for t in model.modules()  # rows mix2 reads
+             if isinstance(t, M.TokenMixing) and t.mix2 is not None}
+    unused = 0
+    for m in (m for m in model.modules() if isinstance(m, M.Mixing)):
+        n_out = m.weight.shape[-2]
+        rows = min(n_out, reads.get(id(m), n_out))
+        kept = int(M.allowed(m.direction, m.weight[..., :rows, :], 0).sum())
+        unused += m.weight.numel() + m.bias.numel() - m.weight[..., 0, 0].numel() * kept \
+            - m.bias.shape[0] * rows
+    counts['mixing_effective'] = counts['mixing'] - unused
+    return counts
+
+
 @pytest.mark.parametrize('variant', [dict(), dict(kernel=3), dict(n_heads=2, kernel=3),
                                      dict(softmax=True), dict(expansion=2.0), dict(expansion=0.5),
                                      dict(n_convs=3), dict(arch='hybrid'), dict(arch='gmlp')],
@@ -159,7 +187,7 @@ def test_masked_weights_get_exactly_zero_gradient(variant):
     one. param_counts' mixing_effective (no masked entries, no never-read hidden rows) counts just
     those."""
     model = make(tiny(**variant))
-    counts = bench.param_counts(model)
+    counts = param_counts(model)
     model(torch.randint(0, V, (2, N)), torch.randint(0, V, (2, N)))[1].backward()
     mixings = [m for m in model.modules() if isinstance(m, M.Mixing)]
     for mix in mixings:
@@ -398,10 +426,10 @@ def test_sampling_filters_and_seed():
 
 
 def test_param_counts_and_flops():
-    """bench.param_counts splits the weights by role; flops_per_token written out for the mixer
+    """param_counts splits the weights by role; flops_per_token written out for the mixer
     and llama (every variant against what runs: the next test)."""
     cfg, llama = tiny(), tiny(arch='llama')
-    counts = bench.param_counts(build_model(cfg))
+    counts = param_counts(build_model(cfg))
     assert counts['total'] == sum(p.numel() for p in build_model(cfg).parameters())
     # one n_ctx x n_ctx matrix + bias per layer
     assert counts['mixing'] == cfg.n_layers * (N * N + N)

@@ -1,14 +1,14 @@
 """bench.py: every mode at tiny sizes, the representation metric on models whose answer is known
 by construction, the race."""
-import contextlib, json, os, signal, subprocess, sys, time
+import contextlib, dataclasses, json, os, signal, subprocess, sys, time
 from pathlib import Path
 
 import pytest
 import torch
 
-import bench
+import bench, train
 from model import ModelConfig, build_model
-from tests.conftest import HERE, BENCH_TINY, ENV, run_main
+from tests.conftest import HERE, BENCH_TINY, ENV, refused, run_main
 
 
 def tiny(vocab=128, **kw):
@@ -227,3 +227,78 @@ def test_race_ctrl_c_leaves_no_child_behind(data, tmp_path):
     result = json.loads((tmp_path / 'race.json').read_text())
     assert result['settings']['interrupted']
     assert all(result['curves'][a] for a in ('mixer', 'llama'))  # step 0's evaluations
+
+
+def ckpt_of(path, model):
+    """A train.py-like checkpoint of model at path, its path."""
+    train.save_checkpoint({'kind': 'lm', 'model_config': dataclasses.asdict(model.cfg),
+                           'model': model.state_dict()}, str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize('variant, matrices', [
+    (dict(), ['mix']), (dict(n_heads=2), ['mix head 0', 'mix head 1']),
+    (dict(kernel=3), ['mix (norm over 3 taps)']), (dict(expansion=2.0), ['mix', 'mix2']),
+    (dict(n_convs=2), ['mix.0', 'mix.1']), (dict(softmax=True), ['mix']),
+    (dict(arch='hybrid', hybrid_order='parallel'), ['mix']), (dict(arch='gmlp'), ['spatial'])])
+def test_bench_weights_draws_every_mixing_matrix(tmp_path, variant, matrices):
+    """A panel per layer, mixing and head, in one PNG beside the checkpoint; a table row each."""
+    rows = bench.main(['weights', f'--ckpt={ckpt_of(tmp_path / "ckpt.pt", tiny(**variant))}'])
+    assert [(r['layer'], r['matrix']) for r in rows] == [
+        (f'layer {i}', m) for i in (1, 2) for m in matrices]
+    assert (tmp_path / 'weights.png').read_bytes()[:4] == b'\x89PNG'
+    for r in rows:  # each fraction grows with k; n_ctx 16 < 64: all of it
+        assert 0 <= r['within_1'] <= r['within_8'] <= r['within_64'] == pytest.approx(1)
+
+
+def test_bench_weights_fractions_near_the_diagonal(tmp_path, capsys):
+    """Identity W: all of a row's weight is at its own position. Uniform tril W: row t spreads it
+    over its t + 1 inputs, min(k, t + 1) of them within the last k; softmax rows of equal logits
+    are that uniform W. The table prints what the rows hold."""
+    n = 16
+    uniform = {k: sum(min(k, t + 1) / (t + 1) for t in range(n)) / n for k in (1, 8)}
+    for W, softmax, within in ((torch.eye(n), False, {1: 1.0, 8: 1.0}), (torch.ones(n, n), False,
+                               uniform), (torch.zeros(n, n), True, uniform)):
+        model = tiny(n_layers=1, softmax=softmax)
+        model.backbone.blocks[0].mixers[0].mix.weight.data[:] = W
+        rows, out, _ = run_main(capsys, 'bench', 'weights', f'--out={tmp_path}/w.png',
+                                f'--ckpt={ckpt_of(tmp_path / "ckpt.pt", model)}', '--positions=8')
+        r, = rows
+        assert (r['within_1'], r['within_8']) == pytest.approx((within[1], within[8]))
+        assert r['within_64'] == pytest.approx(1) and 'the last k positions' in out
+        assert f"| {bench.fmt(r['within_1'])} | {bench.fmt(r['within_8'])} | 1 |" in out
+    assert (tmp_path / 'w.png').read_bytes()[:4] == b'\x89PNG'
+
+
+def test_bench_weights_refuses_attention_and_no_ckpt(tmp_path, capsys):
+    """Attention has no matrix of its own (it depends on the input): one error line, status 2."""
+    llama = ckpt_of(tmp_path / 'llama.pt', tiny(arch='llama'))
+    err = refused(capsys, 'bench', ['weights', f'--ckpt={llama}'], 'llama')
+    assert 'depends on the input' in err and not (tmp_path / 'weights.png').exists()
+    refused(capsys, 'bench', ['weights'], '--ckpt')
+
+
+def test_race_over_context_lengths(data, tmp_path, capsys):
+    """--n_ctx=8,16: a race in each of ctx8/ and ctx16/, the second at half the first's batch
+    (tokens per step held) unless --batch_size lists one per n_ctx, then context.md and
+    context.png; a batch that does not divide, or a --batch_size list of another length, is
+    refused before any run."""
+    argv = ['race', f'--data_dir={data}', f'--out_dir={tmp_path}', *RACE_TINY, '--max_time=1',
+            '--eval_seconds=0.5', '--batch_size=4']
+    refused(capsys, 'bench', [*argv, '--n_ctx=8,12'], '--n_ctx=12')
+    refused(capsys, 'bench', [*argv, '--n_ctx=8,16', '--batch_size=4,2,1'], '--batch_size')
+    cells = bench.race_cells([*argv, '--n_ctx=8,16', '--batch_size=3,5'])  # settings, no run
+    assert [(c.n_ctx, c.batch_size, c.out_dir) for c in cells] == [
+        (8, 3, f'{tmp_path}/ctx8'), (16, 5, f'{tmp_path}/ctx16')]
+    one, = bench.race_cells([*argv, '--n_ctx=8'])  # one n_ctx: the race as it always was
+    assert (one.n_ctx, one.batch_size, one.out_dir) == (8, 4, str(tmp_path))
+    rows = bench.main([*argv, '--n_ctx=8,16'])
+    assert [(r['n_ctx'], r['batch_size']) for r in rows] == [(8, 4), (16, 2)]
+    assert all(r['mixer_steps'] > 0 and isinstance(r['llama-mixer'], float) for r in rows)
+    for n, batch in ((8, 4), (16, 2)):
+        race = json.loads((tmp_path / f'ctx{n}/race.json').read_text())
+        assert all(r['tokens'] == 32 * r['steps'] for r in race['table'])  # batch x n_ctx
+        assert (tmp_path / f'ctx{n}/race.png').read_bytes()[:4] == b'\x89PNG'
+    assert '| n_ctx | batch_size | mixer_steps |' in (tmp_path / 'context.md').read_text()
+    assert (tmp_path / 'context.png').read_bytes()[:4] == b'\x89PNG'
+    assert 'context sweep' in capsys.readouterr().out
