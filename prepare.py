@@ -7,16 +7,15 @@ Prepare a corpus for nanomixer: token streams, document offsets, a tokenizer and
     python prepare.py text --input=SITE_PACKAGES --exclude='*.dist-info' --holdout=matplotlib \
         --pairs=docstring --out_dir=data/site     # code search: a package's pairs held out
 
-Writes to --out_dir (default data/DATASET): train.bin and val.bin (raw uint16/uint32 token ids,
-every document wrapped in BOS ... EOS), train_docs.npy and val_docs.npy (int64 start offset of each
-document), tokenizer.model, pairs_train.jsonl and pairs_val.jsonl ({"query", "target"} per line)
-when the dataset has pairs, pairs_heldout.jsonl (the pairs of the --holdout files, which are in no
-other output) and meta.json. Files are written under .tmp names and renamed when complete;
-meta.json goes last and holds a fingerprint of the inputs and options, so an unchanged rerun does
-nothing.
+Writes to --out_dir (default data/DATASET), each file under a .tmp name renamed when complete:
+train.bin and val.bin (uint16/uint32 token ids, every document wrapped in BOS ... EOS),
+train_docs.npy and val_docs.npy (int64 start of each document), tokenizer.model, pairs_train.jsonl
+and pairs_val.jsonl ({"query", "target", "path"} per line) when the dataset has pairs,
+pairs_heldout.jsonl (the --holdout files' pairs, in no other output) and meta.json, last, with a
+fingerprint of the inputs and options: an unchanged rerun does nothing.
 """
-import ast, fnmatch, glob, hashlib, io, json, os, platform, re, shutil, socket, sys, sysconfig
-import textwrap, time
+import ast, fnmatch, functools, glob, hashlib, io, json, os, platform, re, shutil, socket, sys
+import sysconfig, textwrap, time
 from itertools import chain, islice
 from pathlib import Path
 from types import SimpleNamespace
@@ -52,9 +51,8 @@ DATASETS = {
 HUB = {  # dataset: (repo, {split: file} or the folder whose parquet shards are streamed in order)
     'tinystories': ('roneneldan/TinyStories',
                     {'val': 'TinyStories-valid.txt', 'train': 'TinyStories-train.txt'}),
-    'tinystories-instruct': ('roneneldan/TinyStoriesInstruct',
-                             {'val': 'TinyStories-Instruct-valid.txt',
-                              'train': 'TinyStories-Instruct-train.txt'}),
+    'tinystories-instruct': ('roneneldan/TinyStoriesInstruct', {
+        'val': 'TinyStories-Instruct-valid.txt', 'train': 'TinyStories-Instruct-train.txt'}),
     'fineweb-edu': ('HuggingFaceFW/fineweb-edu', 'sample/10BT'),
     'finemath': ('HuggingFaceTB/finemath', 'finemath-4plus'),
 }
@@ -216,10 +214,8 @@ def local_documents(args, val_share):
     gone = matching(rels, args.exclude, 'exclude')
     rels = [rel for rel in rels if rel not in gone]
     held = matching(rels, args.holdout, 'holdout')
-    stats = []
-    for rel in rels:
-        st = os.stat(os.path.join(root, rel))
-        stats.append((rel, st.st_size, st.st_mtime_ns))
+    stats = [os.stat(os.path.join(root, rel)) for rel in rels]
+    inputs = [(rel, st.st_size, st.st_mtime_ns) for rel, st in zip(rels, stats)]
 
     def documents():
         for rel in rels:
@@ -232,7 +228,7 @@ def local_documents(args, val_share):
                 key = rel if len(docs) == 1 else f'{rel}#{i}'
                 if text.strip():
                     yield 'heldout' if rel in held else split_of(key, val_share), key, text, None
-    return documents, stats, sum(size for _, size, _ in stats), source
+    return documents, inputs, sum(st.st_size for st in stats), source
 
 
 def check_online(url, hint):
@@ -280,8 +276,7 @@ def hub_shards(args, repo, folder):
         found = glob.glob(os.path.join(glob.escape(local), '*.parquet'))
         if not found:  # (check_online's ValueError already names the fix)
             raise e if isinstance(e, ValueError) else ValueError(f'listing failed ({e}); {hint}')
-        print(f'hub out of reach: using the {len(found)} shards already in {local}',
-              file=sys.stderr)
+        print(f'hub out of reach: using the {len(found)} shards in {local}', file=sys.stderr)
         return sorted(f'{folder}/{os.path.basename(f)}' for f in found)
 
 
@@ -291,13 +286,12 @@ INSTRUCT_FIELD = re.compile(r'^(Features|Words|Summary|Random sentence|Story):[ 
 def hub_documents(args, val_share):
     """TinyStories files (val first: --max_docs, --max_tokens cut train only) or parquet shards."""
     repo, files = HUB[args.dataset]
-    shards = []
+    shards = functools.cache(lambda: hub_shards(args, repo, files))  # listed once, when reached
 
     def documents():
         if isinstance(files, str):
             import pyarrow.parquet as pq
-            shards[:] = shards or hub_shards(args, repo, files)  # listed once
-            for name in shards:  # streamed: a shard is downloaded when it is reached
+            for name in shards():  # streamed: a shard is downloaded when it is reached
                 shard = pq.ParquetFile(hub_download(args, repo, [name])[0])
                 batches = shard.iter_batches(1024, columns=['text'])
                 texts = chain.from_iterable(b.column(0).to_pylist() for b in batches)
@@ -346,12 +340,9 @@ def docstring_pairs(source):
     return pairs
 
 
-SENTENCE_END = re.compile(r'(?<=[.!?])(\s+)')
-
-
 def ict_pairs(text, key, size=6):
     """Inverse cloze: per passage of `size` sentences, one sentence -> the passage without it."""
-    parts = SENTENCE_END.split(text.strip())
+    parts = re.split(r'(?<=[.!?])(\s+)', text.strip())  # sentences and what separates them
     sents, seps, pairs = parts[0::2], parts[1::2] + [''], []
     for i in range(0, len(sents), size):
         passage = range(i, min(i + size, len(sents)))
@@ -378,12 +369,11 @@ def train_tokenizer(documents, stride, vocab_size, path):
 
     def lines():
         train = (text for split, _, text, _ in documents() if split == 'train')
-        for i, text in enumerate(train):
+        for text in islice(train, 0, None, stride):
             if bar.n >= TOKENIZER_SAMPLE:
                 return  # (reading on would download and scan the whole corpus)
-            if i % stride == 0:
-                yield from (line for line in text.splitlines() if line.strip())
-                bar.update(len(text.encode()))
+            yield from (line for line in text.splitlines() if line.strip())
+            bar.update(len(text.encode()))
     model = io.BytesIO()
     try:  # no sampling inside sentencepiece, fixed threads: the same model byte for byte every run
         spm.SentencePieceTrainer.train(
@@ -411,7 +401,7 @@ def encode(args, documents, total, tokenizer, dtype, pairs):
     with_pairs = SPLITS + ('heldout',) * bool(args.holdout) if pairs else ()
     jsonl = {s: open(path(f'pairs_{s}.jsonl'), 'w', encoding='utf-8') for s in with_pairs}
     starts, tokens = {s: [] for s in SPLITS}, dict.fromkeys(SPLITS, 0)
-    n_pairs, files = dict.fromkeys(SPLITS + ('heldout',), 0), set()
+    n_pairs, files = dict.fromkeys(with_pairs, 0), set()
     bar = tqdm(desc='encoding', total=total, unit='B', unit_scale=True)
 
     def encoded():  # a batch of documents at a time, for the tokenizer to spread over the cores
@@ -422,13 +412,12 @@ def encode(args, documents, total, tokenizer, dtype, pairs):
         for (split, key, text, summary), ids in encoded():
             if split == 'train' and args.max_tokens and tokens['train'] >= args.max_tokens:
                 break
-            row = {'path': key.split('#')[0]}  # its file: grep '"path": "pkg/' picks a package
-            lines = [json.dumps({'query': q, 'target': t, **row}, ensure_ascii=False) + '\n'
-                     for q, t in document_pairs(pairs, key, text, summary)]
-            if lines:
-                jsonl[split].writelines(lines)
-            n_pairs[split] += len(lines)
-            files.add(key.split('#')[0])
+            file = key.split('#')[0]  # pairs record it: grep '"path": "pkg/' picks a package
+            for query, target in document_pairs(pairs, key, text, summary):
+                row = {'query': query, 'target': target, 'path': file}
+                jsonl[split].write(json.dumps(row, ensure_ascii=False) + '\n')
+                n_pairs[split] += 1
+            files.add(file)
             bar.update(len(text.encode()))
             if split == 'heldout':  # its pairs only: no token of it is trained or validated on
                 continue
@@ -445,8 +434,7 @@ def encode(args, documents, total, tokenizer, dtype, pairs):
             np.save(f, np.array(starts[s], dtype=np.int64))
     counts = {f'{s}_tokens': tokens[s] for s in SPLITS}
     counts |= {f'{s}_docs': len(starts[s]) for s in SPLITS}
-    if pairs:
-        counts |= {'pairs': pairs} | {f'n_pairs_{s}': n_pairs[s] for s in with_pairs}
+    counts |= {f'n_pairs_{s}': n for s, n in n_pairs.items()}
     return counts, len(files)
 
 
@@ -458,49 +446,48 @@ def up_to_date(out_dir, fingerprint):
         meta = json.loads(Path(out_dir, 'meta.json').read_text())
     except (OSError, ValueError):
         return False
-    if meta.get('fingerprint') != fingerprint:
-        return False
-    return all(os.path.isfile(os.path.join(out_dir, name)) for name in meta['outputs'])
+    return meta.get('fingerprint') == fingerprint and all(
+        os.path.isfile(os.path.join(out_dir, name)) for name in meta['outputs'])
 
 
-def commit(out_dir, produced, meta):
-    """Move finished .tmp files into place; meta.json last: it only describes a complete folder."""
+def commit(out_dir, meta):
+    """Rename this run's .tmp files and list them in meta.json, written last: a complete folder."""
     meta_path = os.path.join(out_dir, 'meta.json')
     Path(meta_path).unlink(missing_ok=True)
+    meta['outputs'] = []
     for name in OUTPUTS:
         path = os.path.join(out_dir, name)
-        if name in produced:
+        if os.path.isfile(path + '.tmp'):  # (the killed runs' were removed before this one began)
             os.replace(path + '.tmp', path)
+            meta['outputs'].append(name)
         elif os.path.exists(path):  # left by a run with other options
             os.remove(path)
     write_atomic(meta_path, json.dumps(meta, indent=2) + '\n')
 
 
-def carve(read, n_docs):
+def carve(read):
     """documents() for a corpus too small for the split by key to fill both splits: val gets its
     last tenth (at least one), counted in documents, or in lines when it is a single one."""
-    n_train = n_docs - max(1, round(n_docs / 10))
-
     def documents():
-        kept = (doc for doc in read() if doc[0] != 'heldout')
         yield from (doc for doc in read() if doc[0] == 'heldout')
-        for i, (_, key, text, summary) in enumerate(kept):
-            if n_docs > 1:
-                yield 'train' if i < n_train else 'val', key, text, summary
-                continue
+        docs = [doc[1:] for doc in read() if doc[0] != 'heldout']  # a small corpus: in memory
+        if len(docs) == 1:
+            key, text, summary = docs[0]
             lines = text.splitlines(True)
             cut = len(lines) - max(1, round(len(lines) / 10))
             train, val = ''.join(lines[:cut]), ''.join(lines[cut:])
             if not (train.strip() and val.strip()):
                 raise ValueError('the input is too small to split into train and val: give more')
-            yield 'train', key, train, summary
-            yield 'val', f'{key}#val', val, summary
+            docs = [(key, train, summary), (f'{key}#val', val, summary)]
+        n_train = len(docs) - max(1, round(len(docs) / 10))
+        for i, doc in enumerate(docs):
+            yield 'train' if i < n_train else 'val', *doc
     return documents
 
 
 def remove_tmp(out_dir):
     """The .tmp files of a run that was killed or stopped on bad input."""
-    for name in OUTPUTS + ('meta.json',):
+    for name in OUTPUTS:
         if os.path.isfile(path := os.path.join(out_dir, name + '.tmp')):
             os.remove(path)
 
@@ -520,35 +507,31 @@ def prepare(args):
             if args.max_docs and n_train > args.max_docs:
                 return
             yield doc
-    is_file = tok.endswith('.model') or os.path.isfile(tok)
-    kind = 'train' if not tok else 'file' if is_file else 'tiktoken'
-    if kind == 'file' and not os.path.isfile(tok):
+    if tok.endswith('.model') and not os.path.isfile(tok):
         raise ValueError(f'--tokenizer file {tok} does not exist')
+    kind = 'train' if not tok else 'file' if os.path.isfile(tok) else 'tiktoken'
+    if kind == 'file':  # the same path may hold another model later
+        inputs = [inputs, hashlib.sha256(Path(tok).read_bytes()).hexdigest()]
     keys = ('dataset', 'vocab_size', 'tokenizer', 'pairs', 'max_docs', 'max_tokens', 'exclude',
             'holdout')
     config = {k: getattr(args, k) for k in keys}
-    if kind == 'file':  # the same path may hold another model later
-        with open(tok, 'rb') as f:
-            inputs = [inputs, hashlib.file_digest(f, 'sha256').hexdigest()]
     fingerprint = hashlib.sha256(json.dumps([FORMAT, config, inputs]).encode()).hexdigest()
     if up_to_date(args.out_dir, fingerprint):
         print(f'{args.out_dir} is up to date (same inputs and options): nothing to do')
         return
-    splits, n_docs = set(), 0
+    splits = set()
     for split, *_ in documents():  # downloads happen, empty inputs fail before any work; the
-        if split == 'heldout':     # whole corpus is read only if a split stays empty (small ones)
-            continue
-        splits.add(split)
-        n_docs += 1
-        if len(splits) == 2:
+        splits.add(split)          # whole corpus is read only if a split stays empty (small ones)
+        if {'train', 'val'} <= splits:
             break
-    if not n_docs:
+    splits.discard('heldout')
+    if not splits:
         raise ValueError('no text in the input (it is empty)')
     if len(splits) == 1:
-        documents = carve(documents, n_docs)
+        documents = carve(documents)
     remove_tmp(args.out_dir)  # a killed run's
 
-    spec = {'kind': 'sentencepiece', 'path': 'tokenizer.model.tmp'}
+    spec = {'kind': 'sentencepiece', 'path': 'tokenizer.model.tmp'}  # until commit() renames it
     if kind == 'train':
         vocab = args.vocab_size or default_vocab
         print(f'training a {vocab}-piece BPE tokenizer', file=sys.stderr)
@@ -569,18 +552,15 @@ def prepare(args):
               f'has that many, not --vocab_size={vocab}', file=sys.stderr)
 
     counts, n_files = encode(args, documents, total, tokenizer, dtype, pairs)
-    produced = list(OUTPUTS[:4])
     if kind != 'tiktoken':
-        spec = {'kind': 'sentencepiece', 'path': 'tokenizer.model'}
-        produced.append('tokenizer.model')
-    if pairs:
-        produced += OUTPUTS[5:7] + OUTPUTS[7:] * bool(args.holdout)
+        spec['path'] = 'tokenizer.model'
     meta = {'dataset': args.dataset, 'vocab_size': tokenizer.vocab_size, 'tokenizer': spec,
             'bos_id': tokenizer.bos_id, 'eos_id': tokenizer.eos_id, 'pad_id': tokenizer.pad_id,
-            'dtype': dtype, **counts, 'source': {'description': about, **source, 'files': n_files},
-            'config': config, 'outputs': produced, 'fingerprint': fingerprint}
-    commit(args.out_dir, produced, meta)
-    report = ', '.join(f'{key} {n:,}' for key, n in counts.items() if key != 'pairs')
+            'dtype': dtype, 'pairs': pairs, **counts,
+            'source': {'description': about, **source, 'files': n_files},
+            'config': config, 'fingerprint': fingerprint}
+    commit(args.out_dir, meta)
+    report = ', '.join(f'{key} {n:,}' for key, n in counts.items())
     if len(splits) == 1:
         report += '; val is the end of the corpus, as the split by key left one split empty'
     print(f'{args.out_dir}: {report} ({n_files:,} files, {time.time() - t0:.1f}s)')
@@ -603,7 +583,6 @@ DEFAULTS = dict(
 
 
 def prepare_args(argv):
-    """prepare.py's settings as a namespace, with the rules that tie one key to another."""
     datasets = [f'  {name:<22}{about}' for name, (about, *_) in DATASETS.items()]
     doc = __doc__ + 'datasets:\n' + '\n'.join(datasets)
     cfg = parse_args(argv, DEFAULTS, doc, dict(dataset=tuple(DATASETS)), positional='dataset')
