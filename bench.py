@@ -79,7 +79,7 @@ def settings(argv):
     """argv's settings: DEFAULTS, its mode's sizes (the paper's with --full), then argv itself."""
     s = parse_args(argv, DEFAULTS, __doc__, BENCH_CHOICES, 'mode', MODE_DEFAULTS)
     if s['full']:  # parsed again so that argv's own values still win over the paper's
-        full = {mode: dict(MODE_DEFAULTS[mode], **FULL[mode]) for mode in FULL}
+        full = {mode: dict(MODE_DEFAULTS.get(mode, {}), **FULL[mode]) for mode in FULL}
         s = parse_args(argv, DEFAULTS, __doc__, BENCH_CHOICES, 'mode', full)
     s = SimpleNamespace(**s)
     s.archs = s.archs.split(',')
@@ -91,9 +91,8 @@ def settings(argv):
     s.dev = resolve_device(s.device)
     s.torch_dtype, why = choose_dtype(s.dev, s.dtype)
     s.device, s.dtype = str(s.dev), str(s.torch_dtype)[6:]  # what runs, as memory cells inherit it
-    if s.mode != 'memory_cell':  # (its parent checked and printed all this)
-        print(f"{s.mode}: {s.device} {s.dtype} ({why})", file=sys.stderr)
-        grid(s)  # a bad arch or size fails here, before any work
+    print(f"{s.mode}: {s.device} {s.dtype} ({why})", file=sys.stderr)
+    grid(s)  # a bad arch or size fails here, before any work
     return s
 
 
@@ -121,7 +120,6 @@ def bench_throughput(s):
     the median of --repeats timed steps after two untimed ones (the allocator's first requests
     and, with --compile, the compile); tokens/s and MFU against train.peak_flops."""
     peak = peak_flops(s.dev, s.torch_dtype)
-    print(f"peak: {peak / 1e9:.0f} GFLOP/s ({s.dtype} on {s.device}: train.peak_flops)")
     gen = torch.Generator().manual_seed(s.seed)
     for cfg in grid(s):
         xy = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx + 1), generator=gen).to(s.dev)
@@ -142,7 +140,6 @@ def bench_throughput(s):
             seconds.append(time.perf_counter() - t0)
         ms = 1e3 * statistics.median(seconds[2:])
         tps = s.batch_size * cfg.n_ctx / (ms / 1e3)
-        print(f"  {cfg.arch} n_ctx={cfg.n_ctx}: {ms:.0f} ms/step, {tps:.0f} tokens/s", flush=True)
         yield row(s, cfg, batch_size=s.batch_size, ms_per_step=ms, tokens_per_s=tps,
                   mfu=flops_per_token(cfg) * tps / peak, peak_flops=peak)
 
@@ -158,8 +155,8 @@ def proc_status(key):
 
 
 def memory_cell(s):
-    """Subprocess body: one forward + backward of grid(s)[0]'s backbone (no lm head); prints its
-    peak bytes as JSON, on a CPU over those the interpreter and torch held before it."""
+    """run_cell's fresh interpreter: one forward + backward of grid(s)[0]'s backbone (no lm head);
+    prints its peak bytes as JSON, on a CPU over those the interpreter and torch held before it."""
     torch.ones(64, 64) @ torch.ones(64, 64)   # start the thread pool: the baseline holds it
     cuda = s.dev.type == 'cuda'
     base = 0 if cuda else proc_status('VmHWM')
@@ -189,8 +186,10 @@ def run_cell(s, arch, n_layers, n_ctx):
     """Peak bytes of one memory cell run in a fresh interpreter, or None if it ran out of memory."""
     keys = dict(archs=arch, n_layers=n_layers, n_ctx=n_ctx, **{k: getattr(s, k) for k in (
         'd_model', 'batch_size', 'n_heads', 'vocab_size', 'device', 'dtype', 'mem_limit')})
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), 'memory_cell', *flags(keys)],
-                          capture_output=True, text=True)
+    argv = ['memory', *flags(keys)]
+    code = f"import bench; bench.memory_cell(bench.settings({argv!r}))"
+    proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
     if proc.returncode < 0:  # killed by a signal: the kernel's OOM killer, or an allocator's abort
         return None
     assert proc.returncode == 0, f"memory cell {flags(keys)} failed: {proc.stderr.strip()}"
@@ -201,8 +200,6 @@ def bench_memory(s):
     for cfg in grid(s):
         peak = run_cell(s, cfg.arch, cfg.n_layers, cfg.n_ctx)
         mb = None if peak is None else peak / 2**20
-        print(f"  {cfg.arch} n_layers={cfg.n_layers} n_ctx={cfg.n_ctx}: "
-              + ('OOM' if mb is None else f"{mb:.0f} MB"), flush=True)
         yield row(s, cfg, n_heads=cfg.n_heads, batch_size=s.batch_size, mb=mb)
 
 
@@ -242,7 +239,6 @@ def bench_generate(s):
         raise ValueError(f"--prompt={s.prompt} --new_tokens={s.new_tokens}: time a prompt of 1 "
                          f"token or more and 2 new tokens or more")
     bandwidth = read_bandwidth(s.dev)
-    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
     gen = torch.Generator().manual_seed(s.seed)
     for cfg in grid(s):
         if s.prompt + s.new_tokens > cfg.n_ctx:
@@ -270,9 +266,6 @@ def bench_generate(s):
                                              for p in positions)
                 tps = batch / per_token  # a step decodes a token per sequence
                 gb_per_s = step_bytes / per_token / 1e9
-                print(f"  {cfg.arch} {method} batch {batch} (warm-up {warmup:.1f} s): "
-                      f"{tps:.1f} tokens/s, {step_bytes / 1e6:.1f} MB/step: {gb_per_s:.2f} GB/s",
-                      flush=True)
                 yield row(s, cfg, method=method, prompt=s.prompt, new_tokens=s.new_tokens,
                           batch_size=batch, compile=s.compile and method == 'cache',
                           warmup_s=warmup, tokens_per_s=tps, mb_per_step=step_bytes / 1e6,
@@ -286,7 +279,7 @@ def decode_bytes(model, pos, batch=1, cached=True):
     or writes. cached=False (window): all parameter bytes, loose for a compute-bound step."""
     if not cached:
         return sum(p.numel() * p.element_size() for p in model.parameters())
-    lm_head = getattr(model, 'lm_head', None)
+    head = getattr(getattr(model, 'lm_head', None), 'weight', None)  # tied: its table read whole
     total, counted = 0, set()
     for mod in model.modules():
         if isinstance(mod, (TokenMixing, GatedMLP)):  # channels of the cached inputs
@@ -300,8 +293,7 @@ def decode_bytes(model, pos, batch=1, cached=True):
                 counted |= {id(m.weight), id(m.bias)}
         elif isinstance(mod, Attention):  # keys and values of positions <= pos
             total += batch * 2 * (pos + 1) * mod.qkv.in_features * mod.qkv.weight.element_size()
-        elif isinstance(mod, torch.nn.Embedding) and (
-                lm_head is None or mod.weight is not lm_head.weight):
+        elif isinstance(mod, torch.nn.Embedding) and mod.weight is not head:
             total += batch * mod.embedding_dim * mod.weight.element_size()
             counted.add(id(mod.weight))
     return total + sum(p.numel() * p.element_size() for p in model.parameters()
@@ -352,10 +344,9 @@ def hamming(x, y, pad_id=None):
 
 
 def represent_rows(model, idx, layers, steps, lr, pad_id=None, seed=0):
-    """Invert each layer from all positions' activations ('all') and from the last position's
-    only ('last', the non-self representation); each row has the Hamming distance, the final L1
-    loss and the paper's epsilon: the L1 shift that N(0, 1/20) noise on e causes (converged:
-    loss <= eps)."""
+    """Invert each layer from all positions' activations ('all') and from the last position's only
+    ('last', the non-self representation): Hamming distance, final L1 loss and the paper's epsilon,
+    the L1 shift that N(0, 1/20) noise on e causes (converged: loss <= eps)."""
     model, cfg = model.float().eval().requires_grad_(False), model.cfg
     # the token embeddings inverted: a LanguageModel's backbone's, an Autoencoder's encoder's
     backbone = getattr(model, 'backbone', None) or getattr(model, 'encoder', None)
@@ -380,14 +371,10 @@ def represent_rows(model, idx, layers, steps, lr, pad_id=None, seed=0):
                              hamming=hamming(idx, (e_n @ w_pinv).argmax(-1), pad_id),  # a_N's
                              loss=loss.mean().item(), epsilon=eps.mean().item(),
                              converged=(loss <= eps).float().mean().item()))
-            print(f"  {cfg.arch} layer {layer} ({which}): hamming {rows[-1]['hamming']:.3f}",
-                  flush=True)
     return rows
 
 
 def bench_represent(s):
-    """Each grid cell's untrained model (or --ckpt's) on random tokens (or windows at random
-    starts in --data_dir's val.bin), inverted at --layer (default: the last)."""
     gen = torch.Generator().manual_seed(s.seed)
     for cfg in [None] if s.ckpt else grid(s):
         torch.manual_seed(s.seed)
@@ -475,34 +462,31 @@ def fmt(v):
     return 'OOM' if v is None else str(v)  # None: a cell that ran out of memory
 
 
-def markdown(rows, cols):
-    lines = ['| ' + ' | '.join(cols) + ' |', '|' + '---|' * len(cols)]
+def markdown(rows, cols, head=True):
+    lines = ['| ' + ' | '.join(cols) + ' |', '|' + '---|' * len(cols)] if head else []
     return '\n'.join(lines + ['| ' + ' | '.join(fmt(r[c]) for c in cols) + ' |' for r in rows])
 
 
 MEASURE = {'throughput': bench_throughput, 'memory': bench_memory, 'generate': bench_generate,
            'represent': bench_represent, 'weights': bench_weights}
-# memory_cell: one cell of memory mode, run by it in a fresh interpreter
-BENCH_CHOICES = dict(mode=(*MEASURE, 'race', 'memory_cell'), dtype=CHOICES['dtype'])
+BENCH_CHOICES = dict(mode=(*MEASURE, 'race'), dtype=CHOICES['dtype'])
 
 
 def run(argv):
-    """The rows of argv's mode, printed as a table and written to --json as each is measured; the
-    output and the settings are checked before the work."""
+    """The rows of argv's mode, each printed as a table row and written to --json as it is
+    measured; the output and the settings are checked before the work."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ['race']:  # its own keys: train.py's, per arch (see race)
         return race(argv)
     s = settings(argv)
-    if s.mode == 'memory_cell':
-        return memory_cell(s)
     if s.json:
         check_output_file(s.json, 'json')
     rows = []
     for r in MEASURE[s.mode](s):
+        print(markdown([r], list(r)[1:], head=not rows), flush=True)  # every key but the mode
         rows.append(r)
         if s.json:  # every row as soon as it is measured: an interrupt keeps them
             write_atomic(s.json, json.dumps(rows, indent=1))
-    print(f"\n{markdown(rows, list(rows[0])[1:])}\n", flush=True)  # every key but the mode
     return rows
 
 
@@ -534,20 +518,17 @@ def race(argv):
 
     Each arch trains through train.py for --max_time seconds of training, evaluation excluded: on
     a CPU all at once, one thread each, so that they share the machine's load; on a GPU one after
-    another, each with the whole device. All evaluate every --eval_seconds of training on the same
-    validation batches: data_dir, n_ctx, batch_size, eval_iters, seed, batch_mode, padding and
-    objective must agree across the archs.
+    another. All evaluate every --eval_seconds of training on the same validation batches:
+    data_dir, n_ctx, batch_size, eval_iters, seed, batch_mode, padding and objective must agree.
 
     A run's train.py keys, later ones winning: the race's (d_model 256, 4 layers, n_ctx 256, batch
     16, 4 evaluation batches: about 10 minutes on 2 CPU cores; lr 5e-3 for mixers, 1.5e-3 for
     others); its preset (--presets, one per arch, in --archs order); any train.py key, for every
     arch (--data_dir=DIR, --device=cuda); one arch's own (--mixer.d_model=512).
 
-    out_dir holds ARCH/ (train.py's run), ARCH.out (its console), race.md, race.json (settings,
-    curves, table) and race.png. Each ARCH/ckpt.pt can go on to retrieve.py train --init_from
-    (pretrain for it on left-padded documents: --presets=config/codesearch_mixer.py,
-    config/codesearch_llama.py). Ctrl-C stops every run (its checkpoint whole), still writes what
-    was measured and exits 130.
+    out_dir holds ARCH/ (train.py's run, its ckpt.pt ready for retrieve.py train --init_from),
+    ARCH.out (its console), race.md, race.json (settings, curves, table) and race.png. Ctrl-C
+    stops every run (its checkpoint whole), still writes what was measured and exits 130.
 
     --n_ctx=64,256,1024 (the paper's fig 4) runs a race per n_ctx, one after another, in
     out_dir/ctxN, with batch_size x n_ctx held at the first race's (or --batch_size=64,16,4, one
@@ -588,8 +569,7 @@ def race(argv):
 
 
 def race_cells(argv):
-    """The settings of each race, all checked before any run: argv's; or with --n_ctx=A,B,C one per
-    n_ctx in out_dir/ctxN, batch_size x n_ctx held at the first's (or --batch_size=A,B,C)."""
+    """Each race's settings, checked before any run: argv's, or one per n_ctx of an --n_ctx list."""
     lists, rest = {}, []
     for arg in argv:
         key, _, value = arg.partition('=')
@@ -610,8 +590,6 @@ def race_cells(argv):
             assert not bad, (f"--n_ctx={bad[0]} does not divide the first race's {tokens} tokens "
                              f"per step: pass --batch_size=B1,B2,... (one per n_ctx)")
             batches = [tokens // m for m in n_ctxs]
-        assert (cells[-1].n_ctx, cells[-1].batch_size) == (n, batches[i]), \
-            "--ARCH.n_ctx, --ARCH.batch_size: an --n_ctx list sets them for every arch"
     return cells
 
 
@@ -644,9 +622,8 @@ def race_cell(s):
 
 
 def race_settings(argv, cell=''):
-    """The race's settings, with each arch's train.py arguments (s.runs): bad input fails here,
-    before any run. --KEY=VALUE of train.py goes to every arch, --ARCH.KEY=VALUE to one. cell: a
-    folder in out_dir that holds this race."""
+    """The race's settings, each arch's train.py arguments in s.runs (--KEY=VALUE: every arch's,
+    --ARCH.KEY=VALUE: one's); bad input fails here, before any run. cell: its folder in out_dir."""
     own, shared, per_arch = [], [], {}
     for arg in argv:
         key, eq, value = arg[2:].partition('=') if arg.startswith('--') else ('', '', '')
@@ -702,10 +679,10 @@ def race_settings(argv, cell=''):
 
 def race_runs(s):
     """Every arch's train.py (as the race's help says), each evaluation printed as it lands in its
-    log: ({arch: evaluations}, {arch: exit, started, ended}, interrupted?)."""
+    log: ({arch: evaluations}, {arch: exit status}, interrupted?)."""
     cpu = s.dev.type == 'cpu'
     env = dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1') if cpu else os.environ
-    curves, status, running, interrupted, t0 = {a: [] for a in s.archs}, {}, {}, False, time.time()
+    curves, status, running, interrupted = {a: [] for a in s.archs}, {}, {}, False
 
     def read(arch):  # the run's new evaluations, a progress line each
         log = Path(s.out_dir, arch, 'log.jsonl')
@@ -719,7 +696,7 @@ def race_runs(s):
 
     def ended(arch, p):  # its log read after the exit: nothing is missed
         read(arch)
-        status[arch].update(exit=p.returncode, ended=round(time.time() - t0, 2))
+        status[arch] = p.returncode
         if p.returncode:
             print(f"  {arch} stopped (exit {p.returncode}): see {s.out_dir}/{arch}.out")
 
@@ -733,7 +710,6 @@ def race_runs(s):
                     running[arch] = subprocess.Popen(
                         [sys.executable, Path(__file__).with_name('train.py'), *s.runs[arch]],
                         stdout=console, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-                status[arch] = dict(exit=None, started=round(time.time() - t0, 2))
             while running:
                 time.sleep(0.5)
                 for arch, p in list(running.items()):
@@ -792,8 +768,7 @@ def race_png(s, path, panels):
 
 
 def main(argv=None):
-    """The measured rows (a list, for tests and notebooks); bad input: one `error: ...` line,
-    status 2."""
+    """The measured rows (a list, for tests and notebooks), or run_main's exit status."""
     return run_main(lambda: run(argv), "interrupted: --json holds the rows measured so far")
 
 
