@@ -26,7 +26,7 @@ import train
 from model import RetrievalMixer
 from configurator import (check_output_file, int_list, parse_args, read_text_file, run_main,
                           write_atomic)
-from prepare import Tokenizer, check_online, visible_files
+from prepare import Tokenizer, visible_files
 
 TAU = 0.02             # InfoNCE temperature (eq. 8)
 PAPER_N = 32           # --negatives=paper: a query, its target and 30 non-matching ones (§6.3)
@@ -71,8 +71,8 @@ INDIRECT = dict(
 EVAL = dict(
     EMBED,
     ckpt='',
-    peer='',                # also (or only) known retrievers: bm25 and sentence-transformers
-                            # models (a folder or a hub name), comma-separated
+    peer='',                # also (or only) known retrievers, comma-separated: bm25, hybrid (RRF
+                            # of --ckpt and bm25), sentence-transformers model folders
     pairs='',               # a pairs JSONL file ({"query": ..., "target": ...} per line)
     n=','.join(str(2 ** k) for k in range(5, 14)),  # Table 1's n (32 ... 8192), at most pairs + 1
     seed=0,                 # seed of the sampled negatives
@@ -394,26 +394,17 @@ def fused(*scorers, k=60):
 
 
 def peer_embedder(name, device, batch_size):
-    """A sentence-transformers model (a folder or a hub name) as texts -> unit rows (N, d): a known
-    retriever scored on the same pairs. The optional package is imported only here."""
-    how = ("pass a model folder, --peer=PATH (doc/usage.md, Retrieval, installs all-MiniLM-L6-v2 "
-           "offline); sentence-transformers is optional: pip install sentence-transformers")
+    """A sentence-transformers model folder as texts -> unit rows (N, d): a known retriever scored
+    on the same pairs. The optional package is imported only here."""
+    how = ("doc/usage.md, Retrieval, installs all-MiniLM-L6-v2 offline; sentence-transformers is "
+           "optional: pip install sentence-transformers")
+    if not os.path.isdir(name):
+        raise ValueError(f"--peer={name} is not a model folder: pass its path ({how})")
     try:
         from sentence_transformers import SentenceTransformer
     except ImportError:
-        raise ValueError(f"--peer needs sentence-transformers: {how}") from None
-    hub, cache_only = os.environ.get('HF_ENDPOINT', 'https://huggingface.co'), {}
-    try:   # the hub client retries an unreachable hub for a minute: look first, then cache only
-        if not os.path.isdir(name):
-            check_online(hub, '')
-    except ValueError:
-        cache_only = dict(local_files_only=True)
-    try:
-        model = SentenceTransformer(name, device=str(device), **cache_only)
-    except (OSError, ValueError) as e:
-        why = f"{hub} is out of reach" if cache_only else str(e).splitlines()[0]
-        raise ValueError(f"--peer={name}: sentence-transformers could not load it ({why}): "
-                         f"{how}") from None
+        raise ValueError(f"--peer needs sentence-transformers ({how})") from None
+    model = SentenceTransformer(name, device=str(device), local_files_only=True)
     return lambda texts: F.normalize(torch.as_tensor(model.encode(texts, batch_size=batch_size))
                                      .float(), dim=-1)
 
