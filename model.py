@@ -1,5 +1,4 @@
-"""
-nanomixer: masked mixers and their baselines, in one file.
+"""nanomixer: masked mixers and their baselines, in one file.
 
 A masked mixer is a transformer whose attention is replaced by a learned n_ctx x n_ctx linear
 mixing over positions, lower-triangular masked so that position t reads only positions <= t
@@ -62,26 +61,21 @@ class Mixing(nn.Module):
         return self.product(W, x) + self.bias[:, pos:pos + rows]    # out = tril(W) @ x + b
 
     def product(self, W, x):  # (H, R, S) @ (B, H, S, c) -> (B, H, R, c)
-        return W @ x
+        if W.dim() == 3:
+            return W @ x
+        # kernel > 1 (paper §9.2): the paper's Conv1d, its channels a head's input positions, a
+        # kernel-wide window sliding along the head's c features ('same' padding). W is (H, k, R,
+        # S): forward's tril, on its last two dims, has masked every tap alike.
+        H, k = W.shape[:2]
+        x = F.pad(rearrange(x, 'b h s c -> b (h s) c'), ((k - 1) // 2, k // 2))
+        y = F.conv1d(x, rearrange(W, 'h k r s -> (h r) s k'), groups=H)  # (B, H * R, c)
+        return rearrange(y, 'b (h r) c -> b h r c', h=H)
 
 
 def allowed(direction, W, pos):
     """Bool (R, S): may the output at position pos + i read the input at position j?"""
     ones = torch.ones(W.shape[-2:], dtype=torch.bool, device=W.device)
     return {'causal': ones.tril(pos), 'reverse': ones.triu(pos + 2)}.get(direction, ones)
-
-
-class ConvMixing(Mixing):
-    """kernel > 1 (paper §9.2): the paper's Conv1d with the positions as its channels, sliding a
-    kernel-wide window along the features ('same' padding), weight (heads, kernel, n_out, n_in)."""
-
-    def product(self, W, x):
-        # Conv1d's channels are a head's input positions, its length the head's c features; W is
-        # (H, k, R, S), so forward's tril, on the last two dims, has masked every tap alike.
-        H, k = W.shape[:2]
-        x = F.pad(rearrange(x, 'b h s c -> b (h s) c'), ((k - 1) // 2, k // 2))
-        y = F.conv1d(x, rearrange(W, 'h k r s -> (h r) s k'), groups=H)  # (B, H * R, c)
-        return rearrange(y, 'b (h r) c -> b h r c', h=H)
 
 
 class ParallelMixing(nn.ModuleList):
@@ -96,7 +90,7 @@ class ParallelMixing(nn.ModuleList):
         return sum(self.act(module(x, *args)) for module in self)
 
 
-# ---- the configuration ---------------------------------------------------------------------------
+# ---- the configuration, blocks and the model -----------------------------------------------------
 
 @dataclass
 class ModelConfig:
@@ -126,8 +120,7 @@ class ModelConfig:
             assert value in allowed, f"{name}={value!r} is unknown: use one of {', '.join(allowed)}"
         arch, objective, e = self.arch, self.objective, self.expansion
         two_streams = objective == 'bidirectional'
-        if self.n_heads == 0:
-            self.n_heads = 4 if arch in ('llama', 'gpt', 'hybrid', 'elita') else 1
+        self.n_heads = self.n_heads or (4 if arch in ('llama', 'gpt', 'hybrid', 'elita') else 1)
         self.pos_emb = self.pos_emb or arch == 'gpt'  # GPT-1 always learns its positions
         if self.share_ffn is None:  # the author's: one DoubleMixerBlock, but two Llama stacks
             self.share_ffn = not (two_streams and arch == 'llama')
@@ -140,7 +133,6 @@ class ModelConfig:
             f"n_heads={h} must divide d_model={d} (into heads of even size for RoPE)"
         assert isinstance(self.share_ffn, bool) and (self.share_ffn or two_streams), \
             f"share_ffn={self.share_ffn!r}: None, True or False (False: objective bidirectional)"
-        # the masked-mixer variants, each where it is defined
         plain = (self.kernel, e, self.n_convs, self.softmax) == (1, 0, 1, False)
         assert plain or arch in ('mixer', 'hybrid'), \
             f"arch={arch}: kernel, expansion, n_convs and softmax need arch mixer or hybrid"
@@ -150,8 +142,7 @@ class ModelConfig:
         assert not e or e * self.n_ctx >= 1 and self.causal and not two_streams, \
             f"expansion={e}: use 0 (flat), or e * n_ctx >= 1 in a causal mixer of one stream"
         assert not e or self.n_convs == 1, "n_convs: parallel mixings need expansion=0 (flat)"
-        assert not (self.softmax and two_streams), \
-            "softmax: the reverse stream's last rows have nothing to normalise"
+        assert not (self.softmax and two_streams), "softmax: a reverse stream's last rows are empty"
         assert self.pos_channel == 'none' or (arch, h) == ('mixer', 1), \
             f"pos_channel={self.pos_channel}: width d_model + 1 is for a one-head mixer: use none"
         assert self.causal or arch != 'elita' and objective == 'clm', \
@@ -160,10 +151,7 @@ class ModelConfig:
             f"objective={objective} is made of mixer or llama blocks: use arch mixer or llama"
         assert objective != 'half' or min(self.n_layers, self.n_ctx) >= 2, \
             "objective=half needs n_layers >= 2 and n_ctx >= 2 (an encoder and a decoder half)"
-
-    @property
-    def width(self):  # channels the blocks run at: the position channel is appended to d_model
-        return self.d_model + (self.pos_channel != 'none')
+        self.width = d + (self.pos_channel != 'none')  # the blocks' channels, a position one added
 
 
 class TokenMixing(nn.Module):
@@ -180,8 +168,7 @@ class TokenMixing(nn.Module):
         self.m = int(cfg.expansion * n) if cfg.expansion else n  # hidden rows of an expanded mixer
 
         def mixing(n_out, n_in):  # each parallel mixing has the kernel too
-            kind = ConvMixing if cfg.kernel > 1 else Mixing
-            mixings = [kind(n_out, n_in, self.heads, cfg.softmax, direction, cfg.kernel)
+            mixings = [Mixing(n_out, n_in, self.heads, cfg.softmax, direction, cfg.kernel)
                        for _ in range(cfg.n_convs)]
             return ParallelMixing(mixings, act=F.gelu) if cfg.n_convs > 1 else mixings[0]
         self.mix = mixing(self.m, n)
@@ -219,8 +206,6 @@ class Cache(dict):
         old[:, :, pos:end] = x
         return old[:, :, :end]
 
-
-# ---- blocks and the model ------------------------------------------------------------------------
 
 class MLP(nn.Module):
     """Position-wise d -> 4d -> d with GELU (the mixer's feed-forward; GPT-1's uses GELU's tanh)."""
@@ -289,8 +274,8 @@ class Backbone(nn.Module):
 
     def forward(self, x, pos=0, cache=None, mask=None):  # idx (B, T) or embeddings (B, T, d)
         if self.wte is not None:
-            assert x.dim() == 2, "idx: (B, T) token ids"
             x = self.wte(x)
+        assert x.dim() == 3, "idx: (B, T) token ids"  # embedded here or by the caller
         cfg, T = self.cfg, x.shape[1]
         assert pos + T <= cfg.n_ctx, f"{pos + T} positions exceed n_ctx={cfg.n_ctx}: crop them"
         if self.wpe is not None:
@@ -310,8 +295,7 @@ class Backbone(nn.Module):
 
 
 def add_lm_head(model, cfg, wte):
-    """The lm head, then the init: transformers N(0, 0.02) (HF Llama, GPT-1); mixers keep
-    PyTorch's defaults, as the paper did."""
+    """The lm head, then the init: transformers N(0, 0.02) (HF Llama, GPT-1), mixers the paper's."""
     model.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
     if cfg.arch in ('llama', 'gpt', 'hybrid'):
         for mod in model.modules():
@@ -342,8 +326,7 @@ class LanguageModel(nn.Module):
                 loss = loss + lm_loss(logits2[:, :-1], targets[:, 1:])
         return logits, loss
 
-    def hidden(self, idx, mask=None):
-        """Last hidden states (B, T, d_model), the lm head's input."""
+    def hidden(self, idx, mask=None):  # the lm head's input (B, T, d_model)
         return self.backbone(idx, mask=mask)
 
     def step(self, idx, pos, cache):
@@ -357,8 +340,7 @@ class LanguageModel(nn.Module):
         """Yield (token (B,), logits (B, vocab)) per new token. method='window' is the paper's
         (§4.2): the whole window runs again for each token, O(n^3 d) per window for a mixer.
         method='cache' runs only the new position against a Cache of the earlier ones, O(n^2 d),
-        the same numbers up to float rounding. A full window slides alike in both: its last n/2
-        tokens are re-encoded at the window start. step: replaces self.step on one new token."""
+        the same numbers up to float rounding. step: replaces self.step on one new token."""
         assert self.cfg.objective != 'half' and self.cfg.causal, \
             "generation needs a causal next-token model (objective clm or mtp2)"
         assert method in ('cache', 'window'), f"method={method!r}: use cache or window"
@@ -377,7 +359,7 @@ class LanguageModel(nn.Module):
             yield tok, logits
             window = torch.cat([window, tok[:, None]], dim=1)
             fresh = window.shape[1] > n
-            if fresh:  # slide: re-encode the last n/2 tokens at the window start
+            if fresh:  # slide (alike in both): re-encode the last n/2 tokens at the window start
                 window = window[:, -(n // 2):]
 
 
@@ -393,21 +375,18 @@ def sample_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float('-inf'))
     if top_p is not None and top_p < 1.0:
-        probs, order = logits.sort(dim=-1, descending=True)
-        probs = probs.softmax(-1)
+        probs, order = logits.softmax(-1).sort(dim=-1, descending=True)
         drop = probs.cumsum(-1) - probs > top_p   # keep the smallest prefix reaching top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float('-inf'))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 
 
-def lm_loss(logits, targets):
-    """Mean cross-entropy over the positions whose target is not -1."""
+def lm_loss(logits, targets):  # the mean over the positions whose target is not -1
     return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-1)
 
 
 def objective_targets(objective, x, y, mask=None):
-    """Targets for an objective from the loader's inputs x and next-token targets y (-1 = none).
-    mask: (B, T) True on real tokens of x (None = no padding)."""
+    """The objective's targets, from the loader's inputs x, next-token targets y and mask."""
     if objective in ('clm', 'mtp2', 'bidirectional'):
         return y
     t = x if mask is None else x.masked_fill(~mask, -1)      # autoencoder: every input token
@@ -421,7 +400,7 @@ def half_split(length):  # objective half: where the backbone's blanking and the
     return length // 2
 
 
-# ---- baselines: Llama and GPT-1 ------------------------------------------------------------------
+# ---- the baselines: attention (Llama, GPT-1, the hybrid's), gMLP, ELiTA -------------------------
 
 def attend(q, k, v, direction, pos, key_mask):
     """softmax(q k^T / sqrt(d) + mask) v, queries q (B, H, T, d) at [pos, pos + T), keys and values
@@ -462,16 +441,13 @@ class Attention(nn.Module):
             self.register_buffer('cos', angle.cos(), persistent=False)
             self.register_buffer('sin', angle.sin(), persistent=False)
 
-    def rotate(self, x, pos):  # RoPE on (..., T, hd); pairs are (x[j], x[j + hd/2])
-        cos, sin = (t[pos:pos + x.shape[-2]].to(x.dtype) for t in (self.cos, self.sin))
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-
     def forward(self, x, pos=0, cache=None, mask=None):  # (B, T, d) -> (B, T, d)
         qkv = self.qkv(x).reshape(*x.shape[:-1], 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         q, k, v = qkv                                                  # (B, H, T, hd) each
-        if self.rope:
-            q, k = self.rotate(qkv[:2], pos)
+        if self.rope:  # RoPE on q and k; pairs are (x[j], x[j + hd/2])
+            cos, sin = (t[pos:pos + x.shape[1]].to(qkv.dtype) for t in (self.cos, self.sin))
+            x1, x2 = qkv[:2].chunk(2, dim=-1)
+            q, k = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
         if cache is not None:  # the KV cache
             k, v = cache.extend((self, 'k'), k, pos), cache.extend((self, 'v'), v, pos)
         y = attend(q, k, v, self.direction, pos, mask)                # (B, H, T, hd)
@@ -490,8 +466,6 @@ class SwiGLU(nn.Module):
         a, b = self.w13(x).chunk(2, dim=-1)
         return self.w2(F.silu(a) * b)
 
-
-# ---- hybrid, gMLP, ELiTA -------------------------------------------------------------------------
 
 class GatedMLP(nn.Module):
     """gMLP's block body: up-projection, GELU, Spatial Gating Unit, down-projection. SGU: split
@@ -560,9 +534,8 @@ class ELiTAAttention(nn.Module):
         """One block of positions: y and the carried (max m, sum S e^-m, sum Z e^-m)."""
         m0, S0, Z0 = state
         m = torch.maximum(m0[..., None], key.cummax(dim=-1).values)   # (B, H, L) running max
-        L = key.shape[-1]
-        causal = torch.ones(L, L, dtype=torch.bool, device=key.device).tril()
-        w = (key[..., None, :] - m[..., :, None]).masked_fill(~causal, float('-inf')).exp()
+        w = key[..., None, :] - m[..., :, None]                         # (B, H, L, L) logits
+        w = w.masked_fill(~allowed('causal', w, 0), float('-inf')).exp()
         decay = torch.exp(m0[..., None] - m)                           # rescale the carried sums
         S = decay[..., None] * S0[:, :, None] + w @ v                  # (B, H, L, c)
         Z = decay * Z0[..., None] + w.sum(-1)                          # (B, H, L)
@@ -605,7 +578,6 @@ class BidirectionalLM(nn.Module):
         add_lm_head(self, cfg, self.wte)
 
     def hidden(self, idx, mask=None):
-        assert idx.dim() == 2, "idx: (B, T) token ids"
         x = self.wte(idx)
         return self.fwd(x, mask=mask) + self.rev(x, mask=mask)
 
@@ -626,8 +598,7 @@ class Autoencoder(nn.Module):
         self.decoder = Backbone(cfg, embed=False)
         add_lm_head(self, cfg, self.encoder.wte)
 
-    def hidden(self, idx, mask=None):
-        """Encoder hidden states (B, T, d_model); its last position is the sequence embedding."""
+    def hidden(self, idx, mask=None):  # (B, T, d_model): the last position embeds the sequence
         return self.encoder(idx, mask=mask)
 
     def encode(self, idx, mask=None):  # (B, T) -> (B, d_model)
@@ -658,7 +629,6 @@ class RetrievalMixer(nn.Module):
 
 
 def build_model(cfg):
-    """The model for cfg.objective: LanguageModel, Autoencoder or BidirectionalLM."""
     models = {'autoencoder': Autoencoder, 'bidirectional': BidirectionalLM}
     return models.get(cfg.objective, LanguageModel)(cfg)
 

@@ -1,17 +1,12 @@
-"""
-Sample text from a model trained with train.py; tokens stream to stdout as they are generated.
+"""Sample text from a model trained with train.py; tokens stream to stdout as they are generated.
 
     python sample.py --prompt="def main("                       # out/best.pt (else out/ckpt.pt)
     python sample.py --ckpt=out/ckpt.pt --prompt=FILE:start.py --num_samples=3 --top_k=50
     python sample.py --prompt="def main(" --temperature=0 --method=window  # greedy, the paper's
     python sample.py --prompt="def main(" --compile            # compiled steps (GPU: CUDA graphs)
 
---method picks a decoder of model.py's LanguageModel.stream. `window` is the paper's (§4.2): each
-new token goes to the next position of the n_ctx window and the whole window runs again, O(n^3 d)
-for n tokens. `cache` (default) keeps what each mixing has seen (position t depends only on
-positions <= t), so a new token costs one row of every mixing, O(n d) a layer (O(n^2 d) for n
-tokens); transformers use their KV cache. Both print the same tokens. A full window keeps its
-last n_ctx/2 tokens and goes on.
+Both --method decoders (model.py's LanguageModel.stream) print the same tokens; a full window
+keeps its last n_ctx/2 tokens and goes on.
 """
 import os, sys, time
 from types import SimpleNamespace
@@ -35,8 +30,7 @@ DEFAULTS = dict(
     method='cache',         # cache (exact, O(n^2 d) per window) | window (the paper's, O(n^3 d))
     compile=False,          # torch.compile the cached step (GPU: as CUDA graphs), after a warm-up
     device='auto',          # auto = cuda if available, else cpu
-    dtype='auto',           # the weights' dtype; auto: fp32 on a CPU, on a GPU the trained one
-                            # where native, else fp16 (a bf16 run on a V100 or T4)
+    dtype='auto',           # auto: fp32 on a CPU; on a GPU the trained dtype (fp16 if not native)
 )
 
 
@@ -95,8 +89,7 @@ class GraphStep:
     graph captured at position p is the step at p, kernel for kernel, and it reads fixed memory:
     the token in self.idx and the Cache's buffers (n_ctx long, written in place). A new stream's
     buffers (or a slid window's) are copied into the captured ones, which then stand in for them;
-    another batch size or model starts afresh. A position's first visit runs the step (the warm-up
-    a capture needs) and captures it."""
+    another batch size or model starts afresh."""
 
     def __init__(self, step):
         self.step, self.graphs, self.buffers = step, {}, {}
@@ -106,32 +99,26 @@ class GraphStep:
 
     def __call__(self, idx, pos, cache):
         if cache.keys() != self.buffers.keys() or any(
-                cache[k] is not buf for k, buf in self.buffers.items()):
-            self.adopt(cache)
-        if pos not in self.graphs:  # the warm-up gets the capture's very arguments (no recompile)
+                cache[k] is not buf for k, buf in self.buffers.items()):  # a new stream's cache
+            if {k: (v.shape, v.dtype) for k, v in cache.items()} != \
+                    {k: (v.shape, v.dtype) for k, v in self.buffers.items()}:
+                self.graphs, self.buffers = {}, dict(cache)  # another batch size or model: afresh
+            for key, buf in self.buffers.items():  # else copied into the captured buffers
+                if cache[key] is not buf:
+                    cache[key] = buf.copy_(cache[key])
+        if pos not in self.graphs:  # a warm-up run (the capture's very arguments: no recompile)
             self.idx = self.idx.copy_(idx) if self.graphs else idx.clone()  # the graphs' input
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
-                logits = self.step(self.idx, pos, cache)
-            graph = torch.cuda.CUDAGraph()
+                self.step(self.idx, pos, cache)
+            graph = torch.cuda.CUDAGraph()  # then its capture, replayed below
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                 self.graphs[pos] = graph, self.step(self.idx, pos, cache)
             torch.cuda.current_stream().wait_stream(self.stream)
-            return logits
         graph, logits = self.graphs[pos]
         self.idx.copy_(idx)
         graph.replay()
         return logits.clone()  # the next replay at pos overwrites the graph's own
-
-    def adopt(self, cache):
-        """Copy cache's buffers into the captured ones and use those; other shapes: start afresh."""
-        if {k: (v.shape, v.dtype) for k, v in cache.items()} != \
-                {k: (v.shape, v.dtype) for k, v in self.buffers.items()}:
-            self.graphs, self.buffers = {}, dict(cache)  # these buffers are captured from now on
-            return
-        for key, buf in self.buffers.items():
-            buf.copy_(cache[key])
-            cache[key] = buf
 
 
 def write_samples(model, tok, ids, args, generator, step=None):
@@ -151,8 +138,7 @@ def write_samples(model, tok, ids, args, generator, step=None):
                 samples[i].append(token)
         text = tok.decode(samples[0]).rstrip('\ufffd')  # a split character prints once whole
         if len(text) > len(shown):
-            sys.stdout.write(text[len(shown):])
-            sys.stdout.flush()
+            print(text[len(shown):], end='', flush=True)
             shown = text
         if all(ended):
             break
@@ -167,10 +153,9 @@ def sample(argv):
     best = os.path.join(args.out_dir, 'best.pt')  # the lowest val loss
     path = args.ckpt or (best if os.path.isfile(best) else os.path.join(args.out_dir, 'ckpt.pt'))
     model, tok, why = load(path, device, args.dtype)
-    prompt = args.prompt
-    if prompt.startswith('FILE:'):
-        prompt = read_text_file(prompt[len('FILE:'):], '--prompt=FILE: file')
-    ids, keep = tok.encode(prompt, bos=True), model.cfg.n_ctx - 1  # room for a new token
+    if args.prompt.startswith('FILE:'):
+        args.prompt = read_text_file(args.prompt[len('FILE:'):], '--prompt=FILE: file')
+    ids, keep = tok.encode(args.prompt, bos=True), model.cfg.n_ctx - 1  # room for a new token
     if len(ids) > keep:
         print(f'warning: the prompt has {len(ids)} tokens; keeping its last {keep} (the window '
               f'holds n_ctx={keep + 1})', file=sys.stderr)
