@@ -89,7 +89,8 @@ class GraphStep:
     graph captured at position p is the step at p, kernel for kernel, and it reads fixed memory:
     the token in self.idx and the Cache's buffers (n_ctx long, written in place). A new stream's
     buffers (or a slid window's) are copied into the captured ones, which then stand in for them;
-    another batch size or model starts afresh."""
+    another batch size or model starts afresh. A position's first visit runs the step (the warm-up
+    a capture needs) and captures it."""
 
     def __init__(self, step):
         self.step, self.graphs, self.buffers = step, {}, {}
@@ -99,26 +100,32 @@ class GraphStep:
 
     def __call__(self, idx, pos, cache):
         if cache.keys() != self.buffers.keys() or any(
-                cache[k] is not buf for k, buf in self.buffers.items()):  # a new stream's cache
-            if {k: (v.shape, v.dtype) for k, v in cache.items()} != \
-                    {k: (v.shape, v.dtype) for k, v in self.buffers.items()}:
-                self.graphs, self.buffers = {}, dict(cache)  # another batch size or model: afresh
-            for key, buf in self.buffers.items():  # else copied into the captured buffers
-                if cache[key] is not buf:
-                    cache[key] = buf.copy_(cache[key])
-        if pos not in self.graphs:  # a warm-up run (the capture's very arguments: no recompile)
+                cache[k] is not buf for k, buf in self.buffers.items()):
+            self.adopt(cache)
+        if pos not in self.graphs:  # the warm-up gets the capture's very arguments (no recompile)
             self.idx = self.idx.copy_(idx) if self.graphs else idx.clone()  # the graphs' input
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
-                self.step(self.idx, pos, cache)
-            graph = torch.cuda.CUDAGraph()  # then its capture, replayed below
+                logits = self.step(self.idx, pos, cache)
+            graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                 self.graphs[pos] = graph, self.step(self.idx, pos, cache)
             torch.cuda.current_stream().wait_stream(self.stream)
+            return logits
         graph, logits = self.graphs[pos]
         self.idx.copy_(idx)
         graph.replay()
         return logits.clone()  # the next replay at pos overwrites the graph's own
+
+    def adopt(self, cache):
+        """Copy cache's buffers into the captured ones and use those; other shapes: start afresh."""
+        if {k: (v.shape, v.dtype) for k, v in cache.items()} != \
+                {k: (v.shape, v.dtype) for k, v in self.buffers.items()}:
+            self.graphs, self.buffers = {}, dict(cache)  # these buffers are captured from now on
+            return
+        for key, buf in self.buffers.items():
+            buf.copy_(cache[key])
+            cache[key] = buf
 
 
 def write_samples(model, tok, ids, args, generator, step=None):
