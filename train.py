@@ -265,18 +265,16 @@ def report(log, line, **record):
 def evaluate(cfg, runtime, model, get_batch, loss_fn):
     """Mean loss over the eval_iters fixed batches of each split (shared out over the ranks)."""
     model.eval()
-    out = {}
-    for split in SPLITS:
-        total = torch.zeros((), device=runtime.device, dtype=torch.float64)  # of the losses
+    totals = torch.zeros(len(SPLITS), device=runtime.device, dtype=torch.float64)  # of the losses
+    for j, split in enumerate(SPLITS):
         for i in range(runtime.rank, cfg['eval_iters'], runtime.world):
             with autocast(runtime.device, runtime.dtype):
                 batch = to_device(get_batch(split, None, i), runtime.device)
-                total += loss_fn(model, batch).double()
-        if runtime.distributed:
-            dist.all_reduce(total)
-        out[split] = total.item() / cfg['eval_iters']
+                totals[j] += loss_fn(model, batch).double()
+    if runtime.distributed:
+        dist.all_reduce(totals)
     model.train()
-    return out
+    return dict(zip(SPLITS, (totals / cfg['eval_iters']).tolist()))
 
 
 def to_device(batch, device):
