@@ -1,17 +1,16 @@
-"""
-The command line of every script, as nanoGPT's configurator.py: defaults, then presets (bare
+"""The command line of every script, as nanoGPT's configurator.py: defaults, then presets (bare
 words, files of `key = value` lines) and --key=value flags in the order given, each typed like its
 default. Also what every script does at its boundaries: one `error:` line and status 2 for bad
-input, files written whole or not at all.
-"""
-import ast, contextlib, difflib, os, sys, time
+input, files written whole or not at all."""
+import ast, contextlib, difflib, os, sys, tempfile, time
 from pathlib import Path
+
+BOOLS = {'true': True, '1': True, 'yes': True, 'false': False, '0': False, 'no': False}
 
 
 def parse_args(argv, defaults, doc, choices=None, positional=None, modes=None):
     """argv -> {key: value}. A leading bare word sets the key `positional` (bench.py MODE,
-    prepare.py DATASET, retrieve.py COMMAND) and brings its own defaults, modes[word]. --help
-    prints doc and every key with the comment beside it where its default is defined."""
+    prepare.py DATASET, retrieve.py COMMAND) and brings its own defaults, modes[word]."""
     args = list(sys.argv[1:] if argv is None else argv)
     if positional and args and not args[0].startswith('-') and not args[0].endswith('.py'):
         defaults = {**defaults, **(modes or {}).get(args[0], {}), positional: args.pop(0)}
@@ -37,9 +36,6 @@ def parse_args(argv, defaults, doc, choices=None, positional=None, modes=None):
     return cfg
 
 
-BOOLS = {'true': True, '1': True, 'yes': True, 'false': False, '0': False, 'no': False}
-
-
 def typed(key, value, defaults):
     """value (a flag's text or a preset's Python value) as the type of the key's default; a None
     default is an optional boolean, and auto (None) lets the script choose."""
@@ -51,10 +47,8 @@ def typed(key, value, defaults):
     if default is None and str(value).lower() in ('auto', 'none'):
         return None
     kind = bool if default is None else type(default)
-    if kind is float and type(value) is int:
-        value = float(value)
-    elif isinstance(value, str) and kind is not str:
-        with contextlib.suppress(KeyError, ValueError):  # left a str: refused below
+    if isinstance(value, str) and kind is not str or (kind, type(value)) == (float, int):
+        with contextlib.suppress(KeyError, ValueError):  # left as it was: refused below
             value = BOOLS[value.lower()] if kind is bool else kind(value)
     if type(value) is not kind:
         like = 'true, false or auto' if default is None else repr(default)
@@ -83,9 +77,8 @@ def read_preset(path, cfg):
 
 
 def help_text(defaults, script):
-    """A line per key: --key=default and the comment beside its definition, a `dict(...)` keyword
-    or a dataclass field in the script, train.py or model.py; one whose value is this default
-    first (a mode's own sizes)."""
+    """A line per key: --key=default and the comment beside its `dict(...)` keyword or dataclass
+    field in the script, train.py or model.py, one beside this very value first (a mode's)."""
     here, notes = os.path.dirname(os.path.abspath(__file__)), {}
     for path in (script, os.path.join(here, 'train.py'), os.path.join(here, 'model.py')):
         lines = Path(path).read_text(encoding='utf-8').splitlines()
@@ -101,25 +94,21 @@ def help_text(defaults, script):
                 note = lines[end - 1].partition('  # ')[2]
                 while note and end < len(lines) and lines[end].lstrip().startswith('# '):
                     note, end = note + ' ' + lines[end].lstrip()[2:], end + 1  # continued
-                with contextlib.suppress(ValueError, TypeError, SyntaxError):
-                    value = ast.literal_eval(value)
-                if note:
-                    notes.setdefault(key, []).append((value, note))
+                if note:  # with the value's source: a literal's is its default's repr
+                    notes.setdefault(key, []).append((ast.unparse(value), note))
     keys = [f"  --{key}={value!r}".ljust(30) + '  ' + next(
-        (n for v, n in notes.get(key, []) if v == value), notes.get(key, [(0, '')])[0][1])
+        (n for v, n in notes.get(key, []) if v == repr(value)), notes.get(key, [(0, '')])[0][1])
         for key, value in defaults.items()]
     return '\n'.join(['keys and defaults:'] + [line.rstrip() for line in keys])
 
 
 def int_list(text, key, low=1):
     """--key=32,64,128 -> [32, 64, 128], each >= low."""
-    try:
+    with contextlib.suppress(ValueError):
         values = [int(v) for v in str(text).split(',')]
-    except ValueError:
-        values = []
-    if not values or min(values) < low:
-        raise ValueError(f"--{key}={text!r}: give comma-separated integers >= {low}")
-    return values
+        if min(values) >= low:
+            return values
+    raise ValueError(f"--{key}={text!r}: give comma-separated integers >= {low}")
 
 
 def read_text_file(path, what):
@@ -153,17 +142,14 @@ def write_atomic(path, data):
         raise ValueError(f"cannot write {path} ({cause.strerror or cause}): the old file is "
                          f"kept; free some space or pass another location") from None
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        Path(tmp).unlink(missing_ok=True)
 
 
 def check_out_dir(out_dir, flag='out_dir'):
     """Fail before any work if the folder cannot be created or written."""
-    probe = os.path.join(out_dir, f'.write_test{os.getpid()}')
     try:
         os.makedirs(out_dir, exist_ok=True)
-        open(probe, 'w').close()
-        os.remove(probe)
+        tempfile.TemporaryFile(dir=out_dir).close()
     except OSError as e:
         raise ValueError(f"cannot write to --{flag}={out_dir} ({e.strerror or e}): pass a "
                          f"writable folder") from None

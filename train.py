@@ -88,14 +88,12 @@ NO_BF16_ENV = 'NANOMIXER_NO_BF16'  # set: act as a CPU without native bf16 (test
 
 
 def choose_dtype(device, requested='auto', recorded=None, reading=False):
-    """The one dtype rule, as (torch dtype, why): an explicit --dtype as asked (warned if emulated,
-    hundreds of times slower); auto keeps the dtype a resumed run `recorded` where it is native,
-    else bf16 where native (GPUs of compute capability 8.0 on; CPUs on which oneDNN has bf16
-    kernels: AVX-512 with BW, VL and DQ, or better), fp16 on older GPUs, float32 on other CPUs.
-    Reading a checkpoint (sample.py, retrieve.py) is float32 on a CPU."""
+    """The one dtype rule, as (torch dtype, why): an explicit --dtype as asked; auto keeps the dtype
+    a resumed run `recorded` where it is native, else bf16 where native (GPUs of compute capability
+    8.0 on; CPUs where oneDNN has bf16 kernels: AVX-512 BW, VL and DQ, or better), fp16 on older
+    GPUs, float32 on other CPUs. Reading a checkpoint (sample.py, retrieve.py): fp32 on a CPU."""
     cuda = device.type == 'cuda'
     cpu_native = torch.ops.mkldnn._is_mkldnn_bf16_supported() and not os.environ.get(NO_BF16_ENV)
-    # a GPU before compute capability 8.0 (V100, T4) emulates bf16 without tensor cores
     gpu_bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
     native = dict(float32=True, float16=cuda, bfloat16=gpu_bf16 if cuda else cpu_native)
     if requested != 'auto':
@@ -130,26 +128,23 @@ def resolve_device(name):
 
 
 def autocast(device, dtype):
-    """bf16/fp16 autocast on device; float32 runs as is."""
     return nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype)
 
 
 @functools.cache
 def peak_flops(device, dtype, budget=0.25):
-    """MFU's denominator (train.py's log, bench.py): the datasheet peak of a known GPU in bf16/fp16,
-    else the best FLOP/s of a square matmul in dtype, measured once per process, the size doubling
-    from 128 (to 4096) while the next fits in `budget` seconds. On a CPU one thread is timed and
-    scaled by the thread count: small matmuls on several threads measure wake-ups."""
+    """MFU's denominator: the datasheet peak of a known GPU in bf16/fp16, else the best FLOP/s of
+    square matmuls in dtype (as large as `budget` seconds allow), measured once per process. On a
+    CPU one thread is timed and scaled by the threads: small matmuls on several measure wake-ups."""
     cuda = device.type == 'cuda'
     name = torch.cuda.get_device_name(device) if cuda else ''
     table = [v for k, v in GPU_PEAK_TFLOPS.items() if k in name and dtype != torch.float32]
     if table:
         return table[0] * 1e12
-    threads = torch.get_num_threads()
-    deadline, best, n = time.perf_counter() + budget, 0.0, 128
+    threads, deadline, best = torch.get_num_threads(), time.perf_counter() + budget, 0.0
     torch.set_num_threads(threads if cuda else 1)
     try:
-        while True:
+        for n in (128, 256, 512, 1024, 2048, 4096):
             a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
             dt = float('inf')
             for _ in range(4):  # the first run warms up; keep the best of all
@@ -159,11 +154,11 @@ def peak_flops(device, dtype, budget=0.25):
                 sync(device)
                 dt = min(dt, time.perf_counter() - t0)
             best = max(best, 2 * n ** 3 / dt)
-            if n >= 4096 or time.perf_counter() + 4 * 8 * dt > deadline:  # 2n costs 8x
-                return best * (1 if cuda else threads)
-            n *= 2
+            if time.perf_counter() + 4 * 8 * dt > deadline:  # 2n costs 8x
+                break
     finally:
         torch.set_num_threads(threads)
+    return best * (1 if cuda else threads)
 
 
 def sync(device):
@@ -176,11 +171,10 @@ def rank_batches(get_batch, step, grad_accum, rank, world, real_targets=None):
     """This rank's part of optimizer step `step`, as (batch, scale) pairs: rows [rank B/world,
     (rank + 1) B/world) of each of the grad_accum micro-batches of B = batch_size rows (Runtime
     refuses a B that world does not divide); a rank backpropagates each batch's loss x scale.
-    Why the step is one process's: one process backpropagates sum_m L_m / grad_accum, L_m the mean
+    Why N ranks make one process's step: one backpropagates sum_m L_m / grad_accum, L_m the mean
     loss over micro-batch m's targets. A rank's rows hold a share of those targets (1/world for full
-    rows; real_targets counts them where padded rows differ), and L_m is the sum over the ranks of
-    share x their mean loss. So scale = share x world / grad_accum: DDP averages the ranks'
-    gradients (divides by world), and the ranks together backpropagate sum_m L_m / grad_accum."""
+    rows; real_targets counts them where padded rows differ), so L_m sums share x mean loss over the
+    ranks, and DDP averages (/ world) their gradients: scale = share x world / grad_accum."""
     for micro in range(grad_accum):
         batch = get_batch('train', step, micro, rank, world)
         share_x_world = 1.0  # full rows: share = 1/world, and 1.0 keeps the loss exact
@@ -227,8 +221,7 @@ setup_runtime = Runtime  # retrieve.py's name for it
 # ----------------------------------------------------------------------------- the loop
 
 def configure_optimizer(model, lr, weight_decay):
-    """AdamW (the paper's betas); weight decay on weights (matrices, embeddings, mixings), none on
-    biases and norms, as nanoGPT."""
+    """AdamW with the paper's betas; as nanoGPT, no weight decay on biases or norms."""
     decay, spare = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:  # by name: a mixing's bias, (heads, n_ctx, 1), has 3 dims
@@ -238,8 +231,7 @@ def configure_optimizer(model, lr, weight_decay):
 
 
 def get_lr(cfg, step, progress):
-    """Linear warmup over warmup_iters steps, then linear (paper) or cosine decay to min_lr
-    as progress, the used fraction of the compute budget, goes from 0 to 1."""
+    """Linear warmup, then linear (paper) or cosine decay to min_lr as progress goes 0 -> 1."""
     if step < cfg['warmup_iters']:
         return cfg['lr'] * (step + 1) / (cfg['warmup_iters'] + 1)
     cosine = 0.5 * (1 + math.cos(math.pi * progress))
@@ -273,18 +265,16 @@ def report(log, line, **record):
 def evaluate(cfg, runtime, model, get_batch, loss_fn):
     """Mean loss over the eval_iters fixed batches of each split (shared out over the ranks)."""
     model.eval()
-    out = {}
-    for split in SPLITS:
-        total = torch.zeros((), device=runtime.device, dtype=torch.float64)  # of the losses
+    totals = torch.zeros(len(SPLITS), device=runtime.device, dtype=torch.float64)  # of the losses
+    for j, split in enumerate(SPLITS):
         for i in range(runtime.rank, cfg['eval_iters'], runtime.world):
             with autocast(runtime.device, runtime.dtype):
                 batch = to_device(get_batch(split, None, i), runtime.device)
-                total += loss_fn(model, batch).double()
-        if runtime.distributed:
-            dist.all_reduce(total)
-        out[split] = total.item() / cfg['eval_iters']
+                totals[j] += loss_fn(model, batch).double()
+    if runtime.distributed:
+        dist.all_reduce(totals)
     model.train()
-    return out
+    return dict(zip(SPLITS, (totals / cfg['eval_iters']).tolist()))
 
 
 def to_device(batch, device):
@@ -296,14 +286,12 @@ def to_device(batch, device):
 def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_token=None,
         real_targets=None):
     """Train `model` until the budget is spent, evaluating and checkpointing every eval_interval.
-    get_batch(split, step, micro, shard=0, shards=1) -> a tuple of CPU tensors (the first one's
-    numel counts as tokens), a pure function of its arguments (step None: evaluation batch micro).
-    loss_fn(model, batch) -> scalar loss, through model(...) where DDP's hooks are. ckpt_extra goes
-    into every checkpoint; resume (a checkpoint dict) is continued exactly, else the run in out_dir
-    (passed by check_run_dir) is replaced. real_targets(batch) -> how many targets loss_fn averages
-    over where row shards differ (padded documents), else None. Under torchrun the ranks meet here.
-    Returns dict(step, train_time, best_val, val_loss, stopped): 'budget' or 'diverged' (a
-    non-finite loss: nothing more is saved, the last checkpoint stays)."""
+    get_batch(split, step, micro, shard=0, shards=1) -> a tuple of CPU tensors (the first's numel
+    counts as tokens), a pure function of its arguments (step None: evaluation batch micro);
+    loss_fn(model, batch) -> the loss, through model(...) where DDP's hooks are; real_targets: see
+    rank_batches. Every checkpoint holds ckpt_extra; resume (a checkpoint) is continued exactly,
+    else out_dir's run is replaced. Under torchrun the ranks meet here. Returns dict(step,
+    train_time, best_val, val_loss, stopped): 'budget', or 'diverged' (a non-finite loss)."""
     out_dir, device, master = cfg['out_dir'], runtime.device, runtime.master
     log = os.path.join(out_dir, 'log.jsonl') if master else None
     if runtime.distributed and not dist.is_initialized():  # the ranks meet: none refuses after it
@@ -322,8 +310,10 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
             scaler.load_state_dict(resume['scaler'])
         step, tokens_seen, train_time, best_val = (
             resume[k] for k in ('step', 'tokens_seen', 'train_time', 'best_val'))
-        if master:
-            trim_log(log, step)
+        if master and os.path.exists(log):  # drop what a run killed after this checkpoint logged
+            lines = Path(log).read_text().splitlines(keepends=True)  # kill -9 may cut the last
+            kept = [r for r in lines if r.endswith('\n') and json.loads(r)['step'] <= step]
+            write_atomic(log, ''.join(kept))
     net = torch.compile(raw) if cfg['compile'] else raw
     ddp = DDP(net) if runtime.distributed else net  # on the device of the model's weights
     peak = peak_flops(device, runtime.dtype) if flops_per_token else None
@@ -430,10 +420,10 @@ def save_checkpoint(obj, path):
     write_atomic(path, lambda f: torch.save(obj, f))
 
 
-def load_checkpoint(path):
+def load_checkpoint(path, way_out='train one with train.py, or pass its path'):
     """A checkpoint's dict, on the CPU, after checking that it is one of nanomixer's."""
     if not os.path.isfile(path):
-        raise ValueError(f"no checkpoint at {path}: train one with train.py, or pass its path")
+        raise ValueError(f"no checkpoint at {path}: {way_out}")
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
         assert isinstance(ckpt, dict) and {'kind', 'model'} <= ckpt.keys(), "no 'kind'/'model'"
@@ -463,15 +453,6 @@ def check_run_dir(out_dir, fresh, overwrite, resumable=True):
         raise ValueError(f"out_dir {out_dir} already holds a run ({', '.join(held)}): {resume}"
                          f"replace it with --overwrite, or pass a new --out_dir")
     check_out_dir(out_dir)
-
-
-def trim_log(path, step):
-    """Drop the log records past `step`, written by a run that died after its last checkpoint
-    (a last line without its newline was cut short by kill -9)."""
-    if os.path.exists(path):
-        lines = Path(path).read_text().splitlines(keepends=True)
-        kept = [r for r in lines if r.endswith('\n') and json.loads(r)['step'] <= step]
-        write_atomic(path, ''.join(kept))
 
 
 # ----------------------------------------------------------------------------- data
@@ -564,10 +545,8 @@ def train_lm(argv):
                          "config/demo.py, or give flags (such as --device=cpu) to run them anyway")
     resume, path = None, os.path.join(cfg['out_dir'], 'ckpt.pt')
     if cfg['init_from'] == 'resume':
-        if not os.path.isfile(path):
-            raise ValueError(f"no checkpoint at {path} to resume: start afresh with "
-                             f"--init_from=scratch --overwrite (or pass the run's --out_dir)")
-        resume = load_checkpoint(path)
+        resume = load_checkpoint(path, "to resume, pass the run's --out_dir, or start afresh "
+                                       "with --init_from=scratch --overwrite")
         if resume['kind'] != 'lm':
             raise ValueError(f"{path} is a {resume['kind']!r} checkpoint, not one of train.py's")
         # the run's own keys are the defaults now (the folder may have moved); flags still win
