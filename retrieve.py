@@ -286,7 +286,7 @@ def cmd_train(cfg):
     init_from = src['init_from'] if resuming else os.path.abspath(path)
     train.check_loop(cfg, resume)
     train.check_run_dir(cfg['out_dir'], resume is None, cfg['overwrite'])
-    rt = train.setup_runtime(cfg, resume and resume.get('dtype'))  # a resumed run keeps its dtype
+    rt = train.Runtime(cfg, resume and resume.get('dtype'))  # a resumed run keeps its dtype
     if cfg['symmetric'] and rt.world > 1:  # each rank holds its rows of every micro-batch
         raise ValueError("--symmetric scores whole micro-batches: train it in one process")
     try:
@@ -480,7 +480,7 @@ def cmd_indirect(cfg):
     train.check_loop(cfg)
     for folder in outs.values():   # every output location, before any embedding or training
         train.check_run_dir(folder, True, cfg['overwrite'], resumable=False)
-    rt, ckpt = train.setup_runtime(cfg), os.path.abspath(cfg['ckpt'])
+    rt, ckpt = train.Runtime(cfg), os.path.abspath(cfg['ckpt'])
     try:
         embedder = Embedder(cfg['ckpt'], rt.device, cfg['dtype'], padding=cfg['padding'],
                             normalize=cfg['normalize'], pool=cfg['pool'])

@@ -215,9 +215,6 @@ class Runtime:
             dist.destroy_process_group()
 
 
-setup_runtime = Runtime  # retrieve.py's name for it
-
-
 # ----------------------------------------------------------------------------- the loop
 
 def configure_optimizer(model, lr, weight_decay):
