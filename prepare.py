@@ -42,8 +42,6 @@ DATASETS = {
     'pystdlib': ('Python standard library source of this interpreter (offline)', 4096, 0.05,
                  'docstring'),
     'tinystories': ('roneneldan/TinyStories, TinyStories-{train,valid}.txt', 4096, None, None),
-    'tinystories-instruct': ('roneneldan/TinyStoriesInstruct stories; pairs Summary -> story', 4096,
-                             None, 'summary'),
     'fineweb-edu': ('HuggingFaceFW/fineweb-edu, sample/10BT parquet shards', 8000, 0.005, None),
     'finemath': ('HuggingFaceTB/finemath, finemath-4plus parquet shards', 8000, 0.005, None),
     'text': ('local files, folders or globs given with --input', 4096, 0.05, None),
@@ -51,8 +49,6 @@ DATASETS = {
 HUB = {  # dataset: (repo, {split: file} or the folder whose parquet shards are streamed in order)
     'tinystories': ('roneneldan/TinyStories',
                     {'val': 'TinyStories-valid.txt', 'train': 'TinyStories-train.txt'}),
-    'tinystories-instruct': ('roneneldan/TinyStoriesInstruct', {
-        'val': 'TinyStories-Instruct-valid.txt', 'train': 'TinyStories-Instruct-train.txt'}),
     'fineweb-edu': ('HuggingFaceFW/fineweb-edu', 'sample/10BT'),
     'finemath': ('HuggingFaceTB/finemath', 'finemath-4plus'),
 }
@@ -131,9 +127,9 @@ class Tokenizer:
 
 
 # ----------------------------------------------------------------------------- documents
-# A reader returns (documents, inputs, total, source): documents() yields (split, key, text,
-# summary) in a fixed order, inputs identify what was read (for the fingerprint), total is the size
-# in bytes if known.
+# A reader returns (documents, inputs, total, source): documents() yields (split, key, text) in a
+# fixed order, inputs identify what was read (for the fingerprint), total is the size in bytes if
+# known.
 
 def split_of(key, val_share):
     """Deterministic train/val assignment by a hash of the document's key (a file's path)."""
@@ -227,7 +223,7 @@ def local_documents(args, val_share):
             for i, text in enumerate(docs):
                 key = rel if len(docs) == 1 else f'{rel}#{i}'
                 if text.strip():
-                    yield 'heldout' if rel in held else split_of(key, val_share), key, text, None
+                    yield 'heldout' if rel in held else split_of(key, val_share), key, text
     return documents, inputs, sum(st.st_size for st in stats), source
 
 
@@ -280,9 +276,6 @@ def hub_shards(args, repo, folder):
         return sorted(f'{folder}/{os.path.basename(f)}' for f in found)
 
 
-INSTRUCT_FIELD = re.compile(r'^(Features|Words|Summary|Random sentence|Story):[ \t]*', re.M)
-
-
 def hub_documents(args, val_share):
     """TinyStories files (val first: --max_docs, --max_tokens cut train only) or parquet shards."""
     repo, files = HUB[args.dataset]
@@ -297,18 +290,13 @@ def hub_documents(args, val_share):
                 texts = chain.from_iterable(b.column(0).to_pylist() for b in batches)
                 for i, text in enumerate(texts):
                     if text and text.strip():
-                        yield split_of(f'{name}#{i}', val_share), f'{name}#{i}', text, None
+                        yield split_of(f'{name}#{i}', val_share), f'{name}#{i}', text
             return
         paths = hub_download(args, repo, list(files.values()))
         for (split, name), path in zip(files.items(), paths):
             for i, text in enumerate(eot_documents(path)):
-                summary = None
-                if args.dataset == 'tinystories-instruct':  # "Field: value" lines, the story last
-                    parts = INSTRUCT_FIELD.split(text)
-                    fields = dict(zip(parts[1::2], parts[2::2]))
-                    text, summary = fields.get('Story', ''), fields.get('Summary', '').strip()
                 if text.strip():
-                    yield split, f'{name}#{i}', text.strip(), summary
+                    yield split, f'{name}#{i}', text.strip()
     source = {'repo': repo, 'files' if isinstance(files, dict) else 'folder': files}
     return documents, [repo, files], None, source
 
@@ -353,11 +341,9 @@ def ict_pairs(text, key, size=6):
     return pairs
 
 
-def document_pairs(kind, key, text, summary):
+def document_pairs(kind, key, text):
     if kind == 'docstring':
         return docstring_pairs(text) if key.split('#')[0].endswith('.py') else []
-    if kind == 'summary':
-        return [(summary, text)] if summary else []
     return ict_pairs(text, key) if kind == 'ict' else []
 
 
@@ -368,7 +354,7 @@ def train_tokenizer(documents, stride, vocab_size, path):
     bar = tqdm(desc='tokenizer sample', total=TOKENIZER_SAMPLE, unit='B', unit_scale=True)
 
     def lines():
-        train = (text for split, _, text, _ in documents() if split == 'train')
+        train = (text for split, _, text in documents() if split == 'train')
         for text in islice(train, 0, None, stride):
             if bar.n >= TOKENIZER_SAMPLE:
                 return  # (reading on would download and scan the whole corpus)
@@ -407,13 +393,13 @@ def encode(args, documents, total, tokenizer, dtype, pairs):
     def encoded():  # a batch of documents at a time, for the tokenizer to spread over the cores
         docs = documents()
         while batch := list(islice(docs, BATCH_DOCS)):
-            yield from zip(batch, tokenizer.encode_batch([text for _, _, text, _ in batch]))
+            yield from zip(batch, tokenizer.encode_batch([text for _, _, text in batch]))
     try:
-        for (split, key, text, summary), ids in encoded():
+        for (split, key, text), ids in encoded():
             if split == 'train' and args.max_tokens and tokens['train'] >= args.max_tokens:
                 break
             file = key.split('#')[0]  # pairs record it: grep '"path": "pkg/' picks a package
-            for query, target in document_pairs(pairs, key, text, summary):
+            for query, target in document_pairs(pairs, key, text):
                 row = {'query': query, 'target': target, 'path': file}
                 jsonl[split].write(json.dumps(row, ensure_ascii=False) + '\n')
                 n_pairs[split] += 1
@@ -472,13 +458,13 @@ def carve(read):
         yield from (doc for doc in read() if doc[0] == 'heldout')
         docs = [doc[1:] for doc in read() if doc[0] != 'heldout']  # a small corpus: in memory
         if len(docs) == 1:
-            key, text, summary = docs[0]
+            key, text = docs[0]
             lines = text.splitlines(True)
             cut = len(lines) - max(1, round(len(lines) / 10))
             train, val = ''.join(lines[:cut]), ''.join(lines[cut:])
             if not (train.strip() and val.strip()):
                 raise ValueError('the input is too small to split into train and val: give more')
-            docs = [(key, train, summary), (f'{key}#val', val, summary)]
+            docs = [(key, train), (f'{key}#val', val)]
         n_train = len(docs) - max(1, round(len(docs) / 10))
         for i, doc in enumerate(docs):
             yield 'train' if i < n_train else 'val', *doc

@@ -69,7 +69,7 @@ def test_tokenizer_round_trips_and_trains_deterministically(stdlib_dir, tmp_path
         rng = random.Random(0)
         for i in range(100_000):
             pulled.append(i)
-            yield 'train' if i % 10 else 'val', str(i), prose(rng, 10), None
+            yield 'train' if i % 10 else 'val', str(i), prose(rng, 10)
     prepare.train_tokenizer(documents, 2, 400, tmp_path / 'a.model')
     assert 40 < len(pulled) < 400  # ~20 kB of every other training document, not the whole stream
     prepare.train_tokenizer(documents, 2, 400, tmp_path / 'b.model')
@@ -216,23 +216,15 @@ def test_tiktoken_tokenizer_or_clear_offline_error(tmp_path, capsys):
 
 
 def test_hub_text_datasets(tmp_path, hub):
-    """TinyStories downloads into --download_dir (--max_docs cuts train only); TinyStories-Instruct,
-    found through $HF_ENDPOINT, keeps the stories and pairs each Summary with its story."""
-    r = hub_cli(tmp_path, 'tinystories', f'--hub_url={hub.url}', '--max_docs=30')
+    """TinyStories, found through $HF_ENDPOINT, downloads into --download_dir (--max_docs cuts
+    train only)."""
+    r = hub_cli(tmp_path, 'tinystories', '--max_docs=30', env={'HF_ENDPOINT': hub.url})
     assert r.returncode == 0, r.stderr
     name = 'TinyStories/TinyStories-train.txt'
     assert (tmp_path / 'downloads' / name).read_bytes() == hub.files[f'roneneldan/{name}']
     meta, docs, _ = read_folder(tmp_path / 'data/tinystories')
     assert docs['train'] == hub.stories[:30] and docs['val'] == hub.stories[40:]
     assert meta['source']['repo'] == 'roneneldan/TinyStories'
-    r = hub_cli(tmp_path, 'tinystories-instruct', env={'HF_ENDPOINT': hub.url})
-    assert r.returncode == 0, r.stderr
-    meta, docs, pairs = read_folder(tmp_path / 'data/tinystories-instruct')
-    for split, records in (('train', hub.itrain), ('val', hub.ivalid)):
-        assert docs[split] == [s for _, s, _ in records]
-        summaries = [(f[len('Summary: '):], s)
-                     for _, s, fields in records for f in fields if f.startswith('Summary:')]
-        assert [(p['query'], p['target']) for p in pairs[split]] == summaries
 
 
 def test_hub_parquet_shards(tmp_path, hub):
@@ -357,20 +349,6 @@ def prose(rng, sentences):
                     + rng.choice('.!?') for _ in range(sentences))
 
 
-def instruct(rng, n):
-    """TinyStories-Instruct records (text, story, fields): shuffled fields, a Summary in 3 of 4, the
-    story last."""
-    records = []
-    for i in range(n):
-        s = prose(rng, 6) + '\n\n' + prose(rng, 4)
-        fields = ['Features: Dialogue', f'Words: {" ".join(rng.sample(PROSE_WORDS, 3))}',
-                  *([f'Summary: {prose(rng, 1)}'] if i % 4 else []),
-                  f'Random sentence: {prose(rng, 1)}']
-        rng.shuffle(fields)
-        records.append(('\n'.join(fields) + f'\nStory: \n\n{s}', s, fields))
-    return records
-
-
 def parquet(texts):
     buf = io.BytesIO()
     pq.write_table(pa.table({'text': texts, 'id': [str(i) for i in range(len(texts))]}), buf)
@@ -383,15 +361,11 @@ def hub():
     listings) endpoints huggingface_hub calls."""
     rng = random.Random(1)
     stories = [prose(rng, 7) + '\n\n' + prose(rng, 4) for _ in range(46)]
-    itrain, ivalid = instruct(rng, 40), instruct(rng, 8)
     shards = [[prose(rng, 12) for _ in range(30)] for _ in range(2)]
     eot = lambda docs: ''.join(d + '\n<|endoftext|>\n' for d in docs).encode()  # noqa: E731
-    stories_repo, instruct_repo = 'roneneldan/TinyStories', 'roneneldan/TinyStoriesInstruct'
     files = {
-        f'{stories_repo}/TinyStories-train.txt': eot(stories[:40]),
-        f'{stories_repo}/TinyStories-valid.txt': eot(stories[40:]),
-        f'{instruct_repo}/TinyStories-Instruct-train.txt': eot(r for r, _, _ in itrain),
-        f'{instruct_repo}/TinyStories-Instruct-valid.txt': eot(r for r, _, _ in ivalid),
+        'roneneldan/TinyStories/TinyStories-train.txt': eot(stories[:40]),
+        'roneneldan/TinyStories/TinyStories-valid.txt': eot(stories[40:]),
         'HuggingFaceFW/fineweb-edu/sample/10BT/000_00000.parquet': parquet(shards[0]),
         'HuggingFaceFW/fineweb-edu/sample/10BT/001_00000.parquet': parquet(shards[1]),
         'HuggingFaceFW/fineweb-edu/data/CC-MAIN-2024-10/000_00000.parquet': parquet(['not in it']),
@@ -426,7 +400,7 @@ def hub():
     server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Hub)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield types.SimpleNamespace(url=f'http://127.0.0.1:{server.server_port}', files=files,
-                                stories=stories, itrain=itrain, ivalid=ivalid, shards=shards)
+                                stories=stories, shards=shards)
     server.shutdown()
 
 
