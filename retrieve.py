@@ -86,6 +86,7 @@ SEARCH = dict(
     k=5,                    # how many chunks to print
     show=4,                 # lines of each chunk to print
     index='',               # the chunk embeddings kept between calls; '': CKPT.index beside it
+    hybrid=False,           # rank by reciprocal-rank fusion with BM25 (eval --peer=hybrid)
 )
 
 
@@ -616,7 +617,12 @@ def cmd_search(cfg):
     hits = [(f, span) for f, (_, spans, _) in found.items() for span in spans.tolist()]
     assert hits, f"no text in --docs={cfg['docs']}"
     emb = torch.cat([rows for _, _, rows in found.values()])     # (chunks, d_model) unit rows
-    top = (emb @ embedder([cfg['query']])[0]).topk(min(cfg['k'], len(hits)))  # the best cosines
+    cosines = emb @ embedder([cfg['query']])[0]                   # (chunks,)
+    score = lambda rows: cosines[None]                             # noqa: E731 (one query)
+    if cfg['hybrid']:  # fused with BM25's ranks of the same chunks (eval --peer=hybrid)
+        texts = [''.join(files[f].splitlines(True)[a - 1:b]) for f, (a, b) in hits]
+        score = fused(score, bm25_scorer([cfg['query']], texts))
+    top = score([0])[0].topk(min(cfg['k'], len(hits)))
     print(f"{len(hits):,} chunks in {len(files):,} files ({embedded:,} embedded now)")
     for rank, (score, i) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
         f, (a, b) = hits[i]

@@ -432,8 +432,8 @@ def test_search_chunks_are_whole_definitions_and_lines():
 
 def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
     """A function's own text finds it first, at cosine 1, printed as path:first-last with its first
-    lines (binary files skipped). A second call embeds nothing; an edited file alone is embedded
-    again; another checkpoint's index is refused, never used."""
+    lines (binary files skipped), and first too fused with BM25 (--hybrid). A second call embeds
+    nothing; an edited file alone is embedded again; another checkpoint's index is refused."""
     rng, texts = random.Random(2), []
     for i in range(4):   # three functions a file, at lines 1-2, 4-5 and 7-8
         names = [rng.sample(PAIR_WORDS, 2) for _ in range(3)]
@@ -463,6 +463,8 @@ def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
     assert hits[0][:2] == ('1.000', f'{tmp_path}/docs/d1.py:4-5'), out
     assert hits[0][2] == '   ' + wanted.splitlines()[0] + '\n' and 'blob.bin' not in out
     assert search('anything')[1] == 0                  # unchanged: nothing embedded
+    out, n = search(wanted.strip() + '\n', '--hybrid')   # both rank it first: 2 / (60 + 1)
+    assert n == 0 and re.search(r'^1\. 0\.033  \S+/docs/d1\.py:4-5$', out, re.M), out
     (tmp_path / 'docs/d2.py').write_text(texts[2] + '\n\ndef extra():\n    pass\n')
     out, n = search('anything')
     assert n == 4 and '13 chunks in 4 files (4 embedded now)' in out
