@@ -433,11 +433,14 @@ def bench_weights(s):
     if not layers:
         raise ValueError(f"{s.ckpt} holds a {model.cfg.arch} model: its attention depends on the "
                          f"input, no matrix to draw (weights draws mixers, hybrids and gmlp)")
-    n, cols = min(s.positions or 128, model.cfg.n_ctx), max(map(len, layers.values()))
+    n = min(s.positions or 128, model.cfg.n_ctx)
+    rows, cols = len(layers), max(map(len, layers.values()))
+    if cols == 1:  # a matrix a layer: the layers side by side
+        rows, cols = 1, rows
     from matplotlib.figure import Figure  # no pyplot: no window, no backend to choose
-    fig = Figure(figsize=(3.2 * cols + 1, 3 * len(layers)), layout='constrained')
-    for axes, (layer, panels) in zip(fig.subplots(len(layers), cols, squeeze=False),
-                                     layers.items()):
+    fig = Figure(figsize=(3.2 * cols + 1, 3 * rows + 0.4), layout='constrained')
+    grid = fig.subplots(rows, cols, squeeze=False).reshape(len(layers), -1)  # a row a layer
+    for axes, (layer, panels) in zip(grid, layers.items()):
         vmax = max(M[:n, :n].abs().max().item() for _, M in panels) or 1.0  # one scale a layer
         for ax, (panel, M) in zip(axes, panels):
             im = ax.imshow(M[:n, :n].numpy(), cmap='RdBu_r', vmin=-vmax, vmax=vmax)
