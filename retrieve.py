@@ -7,7 +7,7 @@ retrieve.py: retrieval with masked mixers and transformers (paper §6), in one f
     python retrieve.py eval --ckpt=out-retrieval/ckpt.pt --pairs=data/pystdlib/pairs_val.jsonl
     # a RetrievalMixer per c on the frozen model's last hidden states (§6.2, Algorithm 1)
     python retrieve.py indirect --ckpt=out/ckpt.pt --data_dir=data/pystdlib --c=32,128
-    # the n_ctx-token chunks of folders and text files closest to a query
+    # the functions, methods and runs of lines of folders closest to a query
     python retrieve.py search --ckpt=out-retrieval/ckpt.pt --docs=src/ --query="parse an ISO date"
 
 python retrieve.py COMMAND --help lists its keys; train and indirect run train.py's loop
@@ -193,7 +193,8 @@ class Embedder:
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
         out = torch.empty(len(seqs), self.encoder.model.cfg.d_model)
         with tqdm(total=len(seqs), desc='embedding', unit='text', leave=False,
-                  disable=os.environ.get('RANK', '0') != '0') as bar:  # DDP: rank 0 shows it
+                  disable=len(seqs) <= self.batch_size or os.environ.get('RANK', '0') != '0'
+                  ) as bar:  # one batch, or DDP's other ranks: no bar
             for a in range(0, len(seqs), self.batch_size):
                 rows = order[a:a + self.batch_size]
                 idx, mask = pad([seqs[i] for i in rows], self.n_ctx, self.tok.pad_id,
