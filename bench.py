@@ -45,8 +45,7 @@ DEFAULTS = dict(
     vocab_size=4096,        # the paper's TinyStories tokenizer size
     full=False,             # the paper's sizes (slow on a CPU)
     device='auto',          # auto (cuda if present), cpu or cuda[:i]
-    dtype='auto',           # autocast dtype (auto: as train.py chooses); generate casts the
-                            # weights instead; represent always runs in float32
+    dtype='auto',           # autocast (auto: as train.py); generate casts weights; represent: fp32
     seed=0,
     json='',                # write every row to this JSON file
     repeats=3,              # timed runs of a throughput or generate cell; its row: their median
@@ -147,9 +146,8 @@ def bench_throughput(s):
 # ----------------------------------------------------------------------------- memory
 
 def proc_status(key):
-    """A /proc/self/status entry in bytes (Linux): VmHWM is this process's peak resident set (unlike
-    ru_maxrss it starts afresh at exec, so a child does not inherit its parent's peak), VmSize
-    what it has mapped."""
+    """A /proc/self/status entry in bytes (Linux): VmHWM, the peak resident set (unlike ru_maxrss
+    it starts afresh at exec: a child's is not its parent's), or VmSize, what this process maps."""
     with open('/proc/self/status') as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ':'))
 
@@ -216,9 +214,8 @@ def decode_stamps(model, prompt, new_tokens, method, step, s):
 
 
 def read_bandwidth(dev):
-    """Bytes/s of a streaming read: sums of a 256 MiB fp32 buffer (more than a last-level cache
-    holds) for half a second after one warm-up. Bytes over wall time, as decoding tokens/s is: on
-    a shared machine both see the same load."""
+    """Bytes/s of a streaming read: sums of a 256 MiB fp32 buffer, more than a last-level cache
+    holds. Over wall time, as decoding tokens/s is: on a shared machine both see the same load."""
     a = torch.ones(2**26, device=dev)
     a.sum()
     sync(dev)
@@ -246,10 +243,9 @@ def bench_generate(s):
                              f"n_ctx={cfg.n_ctx}: shorten them or raise --n_ctx")
         torch.manual_seed(s.seed)
         model = decode_layout(build_model(cfg).to(s.dev, s.torch_dtype).eval())  # as sample.py
-        step = None
         if s.compile:  # each model's step is one more graph: stay under the recompile limit
             torch._dynamo.reset()
-            step = compiled_step(model)
+        step = compiled_step(model) if s.compile else None
         for batch in s.batch_size:
             prompt = torch.randint(cfg.vocab_size, (batch, s.prompt), generator=gen).to(s.dev)
             for method in s.methods.split(','):
@@ -261,15 +257,13 @@ def bench_generate(s):
                 runs = [decode_stamps(model, prompt, s.new_tokens, method, step, s)
                         for _ in range(s.repeats)]
                 per_token = statistics.median((t[-1] - t[0]) / (len(t) - 1) for t in runs)
-                positions = range(s.prompt, s.prompt + s.new_tokens - 1)  # the timed steps'
                 step_bytes = statistics.mean(decode_bytes(model, p, batch, method == 'cache')
-                                             for p in positions)
+                                             for p in range(s.prompt, s.prompt + s.new_tokens - 1))
                 tps = batch / per_token  # a step decodes a token per sequence
-                gb_per_s = step_bytes / per_token / 1e9
                 yield row(s, cfg, method=method, prompt=s.prompt, new_tokens=s.new_tokens,
                           batch_size=batch, compile=s.compile and method == 'cache',
                           warmup_s=warmup, tokens_per_s=tps, mb_per_step=step_bytes / 1e6,
-                          gb_per_s=gb_per_s, read_gb_per_s=bandwidth / 1e9)
+                          gb_per_s=step_bytes / per_token / 1e9, read_gb_per_s=bandwidth / 1e9)
 
 
 def decode_bytes(model, pos, batch=1, cached=True):
@@ -277,11 +271,9 @@ def decode_bytes(model, pos, batch=1, cached=True):
     dtype, except that an embedding table gives a row per sequence and a masked mixing its row
     pos, plus per sequence the cache rows read (mixing inputs, keys and values); not activations
     or writes. cached=False (window): all parameter bytes, loose for a compute-bound step."""
-    if not cached:
-        return sum(p.numel() * p.element_size() for p in model.parameters())
     head = getattr(getattr(model, 'lm_head', None), 'weight', None)  # tied: its table read whole
     total, counted = 0, set()
-    for mod in model.modules():
+    for mod in model.modules() if cached else ():  # window: every parameter, in the sum below
         if isinstance(mod, (TokenMixing, GatedMLP)):  # channels of the cached inputs
             width = mod.width if isinstance(mod, TokenMixing) else mod.down.in_features
             for m in (m for m in mod.modules() if isinstance(m, Mixing)):
@@ -329,8 +321,7 @@ def invert(O, e, steps, lr, gen):
     target = O(e).detach()
     e_n = (0.5 + torch.randn(e.shape, generator=gen).to(e.device) / 20).requires_grad_()
     for n in range(steps):
-        loss = l1_per_sequence(O(e_n), target).sum()
-        grad, = torch.autograd.grad(loss, e_n)
+        grad, = torch.autograd.grad(l1_per_sequence(O(e_n), target).sum(), e_n)
         with torch.no_grad():
             e_n -= lr * (1 - 0.9 * n / max(1, steps - 1)) * grad
     with torch.no_grad():
@@ -354,8 +345,7 @@ def represent_rows(model, idx, layers, steps, lr, pad_id=None, seed=0):
         raise ValueError(f"represent needs one token embedding feeding one backbone; "
                          f"{type(model).__name__} has not: probe a model of objective clm, "
                          f"mtp2, half or autoencoder")
-    # eq. 3: a_N = W^+ e_N, W the (d, vocab) embedding map (the table transposed): pinv(table)^T
-    wte = backbone.wte.weight
+    wte = backbone.wte.weight  # eq. 3: a_N = W^+ e_N, W = table^T: W^+ = pinv(table)^T
     e, w_pinv = wte[idx], torch.linalg.pinv(wte)                     # (B, T, d), (d, vocab)
     rows = []
     for layer in layers:
@@ -439,8 +429,8 @@ def bench_weights(s):
         rows, cols = 1, rows
     from matplotlib.figure import Figure  # no pyplot: no window, no backend to choose
     fig = Figure(figsize=(3.2 * cols + 1, 3 * rows + 0.4), layout='constrained')
-    grid = fig.subplots(rows, cols, squeeze=False).reshape(len(layers), -1)  # a row a layer
-    for axes, (layer, panels) in zip(grid, layers.items()):
+    axes_rows = fig.subplots(rows, cols, squeeze=False).reshape(len(layers), -1)  # a row a layer
+    for axes, (layer, panels) in zip(axes_rows, layers.items()):
         vmax = max(M[:n, :n].abs().max().item() for _, M in panels) or 1.0  # one scale a layer
         for ax, (panel, M) in zip(axes, panels):
             im = ax.imshow(M[:n, :n].numpy(), cmap='RdBu_r', vmin=-vmax, vmax=vmax)
@@ -476,8 +466,7 @@ BENCH_CHOICES = dict(mode=(*MEASURE, 'race'), dtype=CHOICES['dtype'])
 
 
 def run(argv):
-    """The rows of argv's mode, each printed as a table row and written to --json as it is
-    measured; the output and the settings are checked before the work."""
+    """The rows of argv's mode, each printed as a table row and written to --json as measured."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ['race']:  # its own keys: train.py's, per arch (see race)
         return race(argv)
@@ -512,8 +501,7 @@ SAME_BATCHES = ('data_dir', 'n_ctx', 'batch_size', 'eval_iters', 'seed', 'batch_
 
 
 def race(argv):
-    """
-    python bench.py race: language models trained for the same wall-clock budget on your data, as
+    """python bench.py race: language models trained for the same wall-clock budget on your data, as
     a table, a JSON file and a picture of validation loss against training time (the paper's
     central comparison).
 
@@ -536,8 +524,7 @@ def race(argv):
     --n_ctx=64,256,1024 (the paper's fig 4) runs a race per n_ctx, one after another, in
     out_dir/ctxN, with batch_size x n_ctx held at the first race's (or --batch_size=64,16,4, one
     per n_ctx), then draws out_dir/context.png (best val loss against n_ctx, a line per arch) and
-    writes out_dir/context.md (per race: steps and best val loss per arch, the differences).
-    """
+    writes out_dir/context.md (per race: steps and best val loss per arch, the differences)."""
     cells = race_cells(argv)
     if len(cells) == 1:
         rows, interrupted = race_cell(cells[0])
@@ -550,11 +537,10 @@ def race(argv):
         table, interrupted = race_cell(c)
         got = {r['arch']: r for r in table}
         best = [got[a]['best_val'] if a in got else float('nan') for a in c.archs]  # nan: no eval
-        summary = dict(n_ctx=c.n_ctx, batch_size=c.batch_size)  # differences > 0: first ahead
-        summary.update({f"{a}_steps": got[a]['steps'] if a in got else 0 for a in c.archs})
-        summary.update({f"{a}_best_val": v for a, v in zip(c.archs, best)})
-        summary.update({f"{a}-{c.archs[0]}": v - best[0] for a, v in zip(c.archs[1:], best[1:])})
-        rows.append(summary)
+        rows.append({'n_ctx': c.n_ctx, 'batch_size': c.batch_size,  # differences > 0: first ahead
+                     **{f"{a}_steps": got[a]['steps'] if a in got else 0 for a in c.archs},
+                     **{f"{a}_best_val": v for a, v in zip(c.archs, best)},
+                     **{f"{a}-{c.archs[0]}": v - best[0] for a, v in zip(c.archs[1:], best[1:])}})
         if interrupted:
             break
     table = markdown(rows, list(rows[0]))
@@ -605,10 +591,9 @@ def race_cell(s):
     table = markdown(rows, list(rows[0])) if rows else 'no evaluations'
     print(f"\n{table}\n", flush=True)
     write_atomic(os.path.join(s.out_dir, 'race.md'), table + '\n')
-    config = dict(archs=s.archs, max_time=s.max_time, eval_seconds=s.eval_seconds,
-                  device=str(s.dev), dtype=s.dtype, machine=s.machine, runs=s.runs, status=status,
-                  interrupted=interrupted)
-    result = dict(settings=config, table=rows, curves=curves)
+    result = dict(settings=dict(archs=s.archs, max_time=s.max_time, eval_seconds=s.eval_seconds,
+                                device=str(s.dev), dtype=s.dtype, machine=s.machine, runs=s.runs,
+                                status=status, interrupted=interrupted), table=rows, curves=curves)
     write_atomic(os.path.join(s.out_dir, 'race.json'), json.dumps(result, indent=1))
     with race_png(s, Path(s.out_dir, 'race.png'), 2) as (by_time, by_tokens):
         for arch, c in curves.items():
@@ -671,8 +656,7 @@ def race_settings(argv, cell=''):
     s.machine = torch.cuda.get_device_name(s.dev) if s.dev.type == 'cuda' else \
         f"{platform.processor() or platform.machine()} ({cpu}, {os.cpu_count()} cores)"
     for arch in s.archs:
-        check_run_dir(os.path.join(s.out_dir, arch), fresh=True, overwrite=s.overwrite,
-                      resumable=False)
+        check_run_dir(Path(s.out_dir, arch), fresh=True, overwrite=s.overwrite, resumable=False)
     if os.path.exists(os.path.join(s.out_dir, 'race.json')) and not s.overwrite:
         raise ValueError(f"{s.out_dir} holds an earlier race: pass --overwrite, or a new --out_dir")
     if importlib.util.find_spec('matplotlib') is None:  # race.png's, checked before any run
@@ -706,8 +690,7 @@ def race_runs(s):
     try:
         for wave in [s.archs] if cpu else [[a] for a in s.archs]:
             for arch in wave:
-                with contextlib.suppress(FileNotFoundError):  # --overwrite: not this race's log
-                    os.remove(os.path.join(s.out_dir, arch, 'log.jsonl'))
+                Path(s.out_dir, arch, 'log.jsonl').unlink(missing_ok=True)  # not this race's log
                 with open(os.path.join(s.out_dir, f"{arch}.out"), 'w') as console:
                     # a session of its own: a terminal's Ctrl-C reaches the race, which stops it
                     running[arch] = subprocess.Popen(
@@ -737,8 +720,7 @@ def race_runs(s):
 
 
 def race_table(curves):
-    """A row per arch evaluated: steps, tokens, tokens/s, best and final val loss, and the training
-    seconds at which it first reached each arch's best (at an evaluation mark; or never)."""
+    """A row per arch evaluated; s_to_X_best: its training seconds to X's best, or never."""
     rows, best = [], {a: min(r['val_loss'] for r in c) for a, c in curves.items() if c}
     for arch in best:
         last = curves[arch][-1]
@@ -754,8 +736,7 @@ def race_table(curves):
 
 @contextlib.contextmanager
 def race_png(s, path, panels):
-    """Axes of panels side by side to draw on, then a grid and a legend on each and the race's
-    title, written as the PNG path."""
+    """`panels` axes side by side to draw on; then grids, legends and the race's title, to path."""
     from matplotlib.figure import Figure  # no pyplot: no window, no backend to choose
     fig = Figure(figsize=(4 + 3.5 * panels, 4.2))
     axes = fig.subplots(1, panels, squeeze=False)[0]
