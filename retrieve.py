@@ -34,7 +34,7 @@ PAPER_N = 32           # --negatives=paper: a query, its target and 30 non-match
 
 # ----------------------------------------------------------------------------- each command's keys
 
-EMBED = dict(
+EMBED = dict(  # Embedder's arguments, every command's
     device='auto',          # auto (cuda if present), cpu or cuda[:i]
     dtype='auto',           # autocast; auto: bf16 where native, else fp32 (embed: the trained one)
     batch_size=32,          # texts per forward pass (train: queries per micro-batch)
@@ -98,10 +98,9 @@ def read_pairs(path):
     for lineno, line in enumerate(read_text_file(path, 'pairs file').split('\n'), 1):
         if not line.strip():
             continue
-        try:
+        row = None
+        with contextlib.suppress(json.JSONDecodeError):
             row = json.loads(line)
-        except json.JSONDecodeError:
-            row = None
         if not (isinstance(row, dict)
                 and all(isinstance(row.get(k), str) for k in ('query', 'target'))):
             raise ValueError(f"{path}:{lineno}: not a JSON object with string fields query and "
@@ -129,21 +128,18 @@ class TextEncoder(torch.nn.Module):
     their tokens -> (B, d_model) unit rows (normalize=False: raw), pooled from the last hidden
     states of a text's own tokens: the last one's (pool last) or their mean (pool mean).
 
-    What happens to the pads. Right padding (the default): a text starts at position 0 and its
-    pads come after it. No token of a causal encoder reads a later position, so the pads change
-    nothing, and the batch runs only as far as its longest text: each embedding is that of the
-    text alone. Encoders that read ahead (causal=False, objectives bidirectional and half) run the
+    What happens to the pads. Right padding: no token of a causal encoder reads the pads after
+    it, so the batch runs only as far as its longest text and each embedding is that of the text
+    alone. Encoders that read ahead (causal=False, objectives bidirectional and half) run the
     whole window, so that an embedding does not depend on the other texts of its batch. Left
-    padding (the paper's §6.1) ends every text at window position n_ctx - 1, one position for a
-    mixer's per-position weights; there the text reads the pads before it (attention masks them
-    as keys, a masked mixer mixes them in, as in the paper), and the whole window runs.
+    padding (§6.1): the text reads the pads before it (attention masks them as keys, a masked
+    mixer mixes them in, as in the paper), and the whole window runs.
     Its state_dict is the model's, so its checkpoints are ordinary model checkpoints."""
 
     def __init__(self, model, pool='last', padding='right', normalize=True):
         super().__init__()
         self.model, self.pool, self.padding, self.normalize = model, pool, padding, normalize
-        cfg = model.cfg
-        causal = cfg.causal and cfg.objective in ('clm', 'mtp2', 'autoencoder')
+        causal = model.cfg.causal and model.cfg.objective in ('clm', 'mtp2', 'autoencoder')
         self.cut = padding == 'right' and causal
 
     def forward(self, idx, mask):
@@ -294,8 +290,7 @@ def cmd_train(cfg):
     try:
         get_batch = PairBatches(cfg, embedder.tok, n_ctx, encoder.padding == 'left')
         # freeze what embeddings do not use (lm head, a decoder): AdamW and DDP skip it
-        encoder(torch.zeros(1, n_ctx, dtype=torch.long),
-                torch.ones(1, n_ctx, dtype=torch.bool)).sum().backward()
+        encoder(*pad([[0] * n_ctx], n_ctx, 0)).sum().backward()   # a window of token 0
         for p in encoder.parameters():
             p.requires_grad_(p.grad is not None)
             p.grad = None
@@ -327,12 +322,11 @@ def cmd_train(cfg):
 # ----------------------------------------------------------------------------- eval
 
 def retrieval_metrics(score, N, ns, seed):
-    """Top-1 accuracy (%) for each n of Table 1 (one query, its target and n-2 non-matching targets
-    sampled without replacement: n-1 candidates), and MRR@10, recall@1/5/10 against all targets.
-    score(rows) gives the scores (b, N) of queries `rows` against the N targets, query i's match
-    is target i. Each query draws one random order of the other targets (seeded) and its first n-2
-    are the negatives for n, so the candidate sets are nested and accuracy falls with n: every
-    retriever scored with one seed meets the same candidates. A tie with a negative is a miss."""
+    """Top-1 accuracy (%) for each n of Table 1 (n-1 candidates: the query's target and n-2 others,
+    without replacement), and MRR@10, recall@1/5/10 against all N targets. score(rows): the scores
+    (b, N) of queries `rows`, query i's match being target i. Each query draws one seeded order of
+    the other targets, whose first n-2 are its negatives for n: the candidate sets are nested, and
+    every retriever scored with one seed meets the same ones. A tie with a negative is a miss."""
     gen = torch.Generator().manual_seed(seed)
     hits, rank = {n: 0 for n in ns}, torch.empty(N, dtype=torch.long)
     for a in range(0, N, 512):                                     # 512 queries at a time
@@ -370,8 +364,7 @@ def code_words(text):
 
 
 def bm25_scorer(queries, targets):
-    """BM25 (the bm25s package, Lucene's variant) over code_words without English stopwords, as
-    eval's score."""
+    """BM25 (the bm25s package, Lucene's variant) of code_words less English stopwords: a score."""
     try:
         import bm25s
     except ImportError:
@@ -417,8 +410,7 @@ def cmd_eval(cfg):
     queries, targets = read_pairs(cfg['pairs'])
     ns, device, embedders = int_list(cfg['n'], 'n', low=3), train.resolve_device(cfg['device']), {}
     if cfg['ckpt']:
-        embedders[cfg['ckpt']] = Embedder(cfg['ckpt'], device, cfg['dtype'], cfg['batch_size'],
-                                          cfg['pool'], cfg['padding'])
+        embedders[cfg['ckpt']] = Embedder(cfg['ckpt'], **{k: cfg[k] for k in EMBED})
     peers = cfg['peer'].split(',') if cfg['peer'] else []
     if 'hybrid' in peers and not cfg['ckpt']:
         raise ValueError("--peer=hybrid fuses the ranks of --ckpt and BM25: pass --ckpt=CKPT")
@@ -508,8 +500,7 @@ def cmd_indirect(cfg):
             model = RetrievalMixer(**mixer)
             extra = {'kind': 'indirect', 'retrieval_mixer': mixer, 'data': embedder.info['data'],
                      'embedder': dict(ckpt=ckpt, padding=embedder.encoder.padding,
-                                      pool=embedder.encoder.pool,
-                                      normalize=cfg['normalize'])}
+                                      pool=embedder.encoder.pool, normalize=cfg['normalize'])}
             stats = train.fit(dict(cfg, out_dir=outs[c]), rt, model, get_batch,
                               lambda m, b: m(b[1], b[2])[1], extra)
             if stats['stopped'] == 'diverged':
@@ -573,39 +564,33 @@ def chunks_of(path, text, tok, budget):
 def search_index(embedder, files, path, key):
     """The chunks of `files` ({path: text}) and their embeddings, kept in the index file `path`
     from one call to the next: {'key': key, 'files': {absolute path: (sha256 of its text, spans
-    (k, 2), embeddings (k, d_model))}}. A file is embedded again only when its text has changed,
-    a new one is added, and the index is written back (whole) when anything was embedded.
-    key names the checkpoint, pool and padding: another's index is refused, never used."""
+    (k, 2), embeddings (k, d_model))}}. Only new and changed files are embedded, then the index is
+    written back whole. key names the checkpoint, pool and padding: another's index is refused."""
     index = {'key': key, 'files': {}}
     if os.path.exists(path):
         index = torch.load(path, weights_only=True)
         if index.get('key') != key:
             raise ValueError(f"the index {path} was built by another checkpoint, or with other "
                              f"--pool/--padding: delete it, or pass another --index")
-    todo = {}   # path: (sha256, spans) of the files to embed
+    todo, texts = {}, []   # path: (sha256, spans) of the files to embed; their chunks' texts
     for f, text in files.items():
         sha = hashlib.sha256(text.encode()).hexdigest()
         if index['files'].get(os.path.abspath(f), ('',))[0] != sha:
             todo[f] = sha, chunks_of(f, text, embedder.tok, embedder.n_ctx - 1)  # bos first
-    seqs = []
-    for f, (_, spans) in todo.items():
-        lines = files[f].splitlines(keepends=True)
-        seqs += [[embedder.tok.bos_id] + embedder.tok.encode(''.join(lines[a - 1:b]))
-                 for a, b in spans]
-    emb = embedder.embed_tokens(seqs) if seqs else None           # (chunks, d_model) unit rows
+            lines = text.splitlines(keepends=True)
+            texts += [''.join(lines[a - 1:b]) for a, b in todo[f][1]]
+    emb = embedder(texts) if texts else None                      # (chunks, d_model) unit rows
     for f, (sha, spans) in todo.items():
         rows, emb = emb[:len(spans)], emb[len(spans):]
         index['files'][os.path.abspath(f)] = sha, torch.tensor(spans).view(-1, 2), rows
     if todo:
         write_atomic(path, lambda out: torch.save(index, out))
-    return {f: index['files'][os.path.abspath(f)] for f in files}, len(seqs)
+    return {f: index['files'][os.path.abspath(f)] for f in files}, len(texts)
 
 
 def cmd_search(cfg):
-    """The chunks of --docs (functions, methods, runs of lines) nearest the query; a file's chunks
-    are embedded once and kept in the index until its text changes."""
-    embedder = Embedder(cfg['ckpt'], cfg['device'], cfg['dtype'], cfg['batch_size'],
-                        cfg['pool'], cfg['padding'])
+    """The chunks of --docs (functions, methods, runs of lines) nearest the query."""
+    embedder = Embedder(cfg['ckpt'], **{k: cfg[k] for k in EMBED})
     files = {}   # path: text; each text file, and each UTF-8 file under each folder
     for path in cfg['docs'].split(','):
         for f in visible_files(path) if os.path.isdir(path) else [path]:  # hidden ones left out
@@ -625,9 +610,9 @@ def cmd_search(cfg):
         score = fused(score, bm25_scorer([cfg['query']], texts))
     top = score([0])[0].topk(min(cfg['k'], len(hits)))
     print(f"{len(hits):,} chunks in {len(files):,} files ({embedded:,} embedded now)")
-    for rank, (score, i) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
+    for rank, (value, i) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
         f, (a, b) = hits[i]
-        print(f"{rank}. {score:.3f}  {f}:{a}-{b}")
+        print(f"{rank}. {value:.3f}  {f}:{a}-{b}")
         for line in files[f].splitlines()[a - 1:min(b, a - 1 + cfg['show'])]:
             print('   ' + line)
     return 0
