@@ -127,13 +127,9 @@ class TextEncoder(torch.nn.Module):
     """A language model as a text encoder: padded texts idx (B, n_ctx), mask (B, n_ctx) True on
     their tokens -> (B, d_model) unit rows (normalize=False: raw), pooled from the last hidden
     states of a text's own tokens: the last one's (pool last) or their mean (pool mean).
-
-    What happens to the pads. Right padding: no token of a causal encoder reads the pads after
-    it, so the batch runs only as far as its longest text and each embedding is that of the text
-    alone. Encoders that read ahead (causal=False, objectives bidirectional and half) run the
-    whole window, so that an embedding does not depend on the other texts of its batch. Left
-    padding (§6.1): the text reads the pads before it (attention masks them as keys, a masked
-    mixer mixes them in, as in the paper), and the whole window runs.
+    Pads (doc/usage.md): right-padded, a causal encoder's batch runs only to its longest text (no
+    token reads a later one); encoders that read ahead run the whole window, so that an embedding
+    does not depend on its batch, and so does left padding, where a text reads the pads before it.
     Its state_dict is the model's, so its checkpoints are ordinary model checkpoints."""
 
     def __init__(self, model, pool='last', padding='right', normalize=True):
