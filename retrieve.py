@@ -127,9 +127,15 @@ class TextEncoder(torch.nn.Module):
     """A language model as a text encoder: padded texts idx (B, n_ctx), mask (B, n_ctx) True on
     their tokens -> (B, d_model) unit rows (normalize=False: raw), pooled from the last hidden
     states of a text's own tokens: the last one's (pool last) or their mean (pool mean).
-    Pads (doc/usage.md): right-padded, a causal encoder's batch runs only to its longest text (no
-    token reads a later one); encoders that read ahead run the whole window, so that an embedding
-    does not depend on its batch, and so does left padding, where a text reads the pads before it.
+
+    What happens to the pads. Right padding (the default): a text starts at position 0 and its
+    pads come after it. No token of a causal encoder reads a later position, so the pads change
+    nothing, and the batch runs only as far as its longest text: each embedding is that of the
+    text alone. Encoders that read ahead (causal=False, objectives bidirectional and half) run the
+    whole window, so that an embedding does not depend on the other texts of its batch. Left
+    padding (the paper's §6.1) ends every text at window position n_ctx - 1, one position for a
+    mixer's per-position weights; there the text reads the pads before it (attention masks them
+    as keys, a masked mixer mixes them in, as in the paper), and the whole window runs.
     Its state_dict is the model's, so its checkpoints are ordinary model checkpoints."""
 
     def __init__(self, model, pool='last', padding='right', normalize=True):
