@@ -170,6 +170,8 @@ class Embedder:
 
     def __init__(self, ckpt_path, device='auto', dtype='auto', batch_size=32, pool='',
                  padding='', normalize=True):
+        if batch_size < 1:
+            raise ValueError(f"--batch_size={batch_size}: use 1 or more")
         ckpt = train.load_checkpoint(ckpt_path)
         self.info = {k: v for k, v in ckpt.items() if k not in ('model', 'optimizer')}
         if ckpt['kind'] not in ('lm', 'retrieval'):

@@ -3,7 +3,7 @@ mixer reads the installed Python packages (data/site, made by prepare.py with --
 language modelling on chunks of files, each starting at window position 0, as retrieve.py embeds
 texts; retrieve.py train then fine-tunes it on their docstring -> code pairs (InfoNCE,
 mean-pooled). The budgets are steps, so the result is the same on any machine and only the time
-differs: 7,000 here and 15,000 of InfoNCE, about 15 + 35 minutes on 2 cores of the AVX512-BF16
+differs: 7,000 here and 15,000 of InfoNCE, about 15 + 44 minutes on 2 cores of the AVX512-BF16
 kind. config/codesearch_llama.py is the same run with a transformer. $SITE being this
 interpreter's site-packages:
 python prepare.py text --input="$SITE/**/*.py" --exclude=tests --pairs=docstring \

@@ -123,6 +123,7 @@ REFUSALS = [
     # a required flag missing, or two that exclude each other
     ('prepare', ['text', OUT], 'input'), ('prepare', ['pystdlib', '--input=x.txt', OUT], 'input'),
     ('retrieve', [*EVAL[:2]], 'pairs'),
+    ('retrieve', [*EVAL, '--batch_size=0'], 'batch_size=0'),
     ('retrieve', ['eval', '--pairs={pairs}/pairs_val.jsonl'], 'ckpt'),
     ('retrieve', ['train', '--data_dir={pairs}'], 'init_from'),
     ('retrieve', ['search', '--ckpt={mixer}', '--docs={pairs}/pairs_val.jsonl'], 'query'),
