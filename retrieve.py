@@ -354,11 +354,9 @@ def retrieval_metrics(score, N, ns, seed):
 
 def capped(ns, key, n_pairs):
     """--n or --c values (Table 1's counts), each capped at n_pairs + 1: the query, every target."""
-    top = n_pairs + 1
-    if max(ns) > top:
-        print(f"note: only {n_pairs} pairs, so {key} is capped at {top} (the query and every "
-              f"target; asked for {','.join(str(n) for n in ns if n > top)})", file=sys.stderr)
-    return sorted({min(n, top) for n in ns})
+    if max(ns) > n_pairs + 1:
+        print(f"note: only {n_pairs} pairs, so {key} is capped at {n_pairs + 1}", file=sys.stderr)
+    return sorted({min(n, n_pairs + 1) for n in ns})
 
 
 def code_words(text):
