@@ -66,9 +66,8 @@ def decode_layout(model):
     """Store each CPU Linear weight with its longer side contiguous (same values; returns model).
     A batch-1 step is one GEMV per weight, and MKL streams a weight ~2x faster along its long side
     (AVX2 EPYC: the 8000 x 256 lm_head at 10 GB/s row-major, 26 GB/s column-major)."""
-    for mod in model.modules():
-        w = getattr(mod, 'weight', None)
-        if isinstance(mod, torch.nn.Linear) and w.device.type == 'cpu' and w.shape[0] > w.shape[1]:
+    for w in [mod.weight for mod in model.modules() if isinstance(mod, torch.nn.Linear)]:
+        if w.device.type == 'cpu' and w.shape[0] > w.shape[1]:
             w.data = w.data.t().contiguous().t()
     return model
 
@@ -89,8 +88,7 @@ class GraphStep:
     graph captured at position p is the step at p, kernel for kernel, and it reads fixed memory:
     the token in self.idx and the Cache's buffers (n_ctx long, written in place). A new stream's
     buffers (or a slid window's) are copied into the captured ones, which then stand in for them;
-    another batch size or model starts afresh. A position's first visit runs the step (the warm-up
-    a capture needs) and captures it."""
+    another batch size or model starts afresh. A position's first visit warms up, then captures."""
 
     def __init__(self, step):
         self.step, self.graphs, self.buffers = step, {}, {}
@@ -100,8 +98,14 @@ class GraphStep:
 
     def __call__(self, idx, pos, cache):
         if cache.keys() != self.buffers.keys() or any(
-                cache[k] is not buf for k, buf in self.buffers.items()):
-            self.adopt(cache)
+                cache[k] is not buf for k, buf in self.buffers.items()):  # not the captured ones
+            if {k: (v.shape, v.dtype) for k, v in cache.items()} != \
+                    {k: (v.shape, v.dtype) for k, v in self.buffers.items()}:
+                self.graphs, self.buffers = {}, dict(cache)  # captured from now on
+            else:  # copied into the captured buffers, which stand in for the cache's own
+                for key, buf in self.buffers.items():
+                    buf.copy_(cache[key])
+                    cache[key] = buf
         if pos not in self.graphs:  # the warm-up gets the capture's very arguments (no recompile)
             self.idx = self.idx.copy_(idx) if self.graphs else idx.clone()  # the graphs' input
             self.stream.wait_stream(torch.cuda.current_stream())
@@ -117,21 +121,10 @@ class GraphStep:
         graph.replay()
         return logits.clone()  # the next replay at pos overwrites the graph's own
 
-    def adopt(self, cache):
-        """Copy cache's buffers into the captured ones and use those; other shapes: start afresh."""
-        if {k: (v.shape, v.dtype) for k, v in cache.items()} != \
-                {k: (v.shape, v.dtype) for k, v in self.buffers.items()}:
-            self.graphs, self.buffers = {}, dict(cache)  # these buffers are captured from now on
-            return
-        for key, buf in self.buffers.items():
-            buf.copy_(cache[key])
-            cache[key] = buf
-
 
 def write_samples(model, tok, ids, args, generator, step=None):
     """Decode args.num_samples continuations of the prompt ids in one batch (a step is bound by
-    reading the weights: N rows cost about one); stream the first, print the others at the end. A
-    row ends at its end of document, the batch when all have. Returns how many tokens are new."""
+    reading the weights: N rows cost about one) and print them. Returns how many tokens are new."""
     samples, ended = [list(ids) for _ in range(args.num_samples)], [False] * args.num_samples
     idx = torch.tensor(samples, dtype=torch.long, device=generator.device)     # (num_samples, T0)
     shown = tok.decode(ids)

@@ -11,7 +11,7 @@ experiment on 1 GPU or 8, and a resumed run ends bit-identical. The run stops at
 or max_time seconds of training, whichever comes first; the learning rate decays as that budget is
 used. out_dir gets ckpt.pt (last), best.pt (lowest val loss) and log.jsonl (a JSON object a line).
 """
-import functools, json, math, os, sys, time
+import functools, json, math, os, sys, time, timeit
 from contextlib import nullcontext
 from dataclasses import asdict, fields
 from datetime import timedelta
@@ -114,7 +114,6 @@ def choose_dtype(device, requested='auto', recorded=None, reading=False):
 
 
 def resolve_device(name):
-    """'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or 'cuda:N' as a torch.device."""
     if name == 'auto':
         name = 'cuda' if torch.cuda.is_available() else 'cpu'
     if name.split(':')[0] not in ('cpu', 'cuda'):
@@ -146,13 +145,8 @@ def peak_flops(device, dtype, budget=0.25):
     try:
         for n in (128, 256, 512, 1024, 2048, 4096):
             a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-            dt = float('inf')
-            for _ in range(4):  # the first run warms up; keep the best of all
-                sync(device)
-                t0 = time.perf_counter()
-                a @ b
-                sync(device)
-                dt = min(dt, time.perf_counter() - t0)
+            dt = min(timeit.repeat(lambda: (a @ b, sync(device)), lambda: sync(device), number=1,
+                                   repeat=4))  # setup syncs; the first run warms up: the best
             best = max(best, 2 * n ** 3 / dt)
             if time.perf_counter() + 4 * 8 * dt > deadline:  # 2n costs 8x
                 break
@@ -168,11 +162,10 @@ def sync(device):
 
 
 def rank_batches(get_batch, step, grad_accum, rank, world, real_targets=None):
-    """This rank's part of optimizer step `step`, as (batch, scale) pairs: rows [rank B/world,
-    (rank + 1) B/world) of each of the grad_accum micro-batches of B = batch_size rows (Runtime
-    refuses a B that world does not divide); a rank backpropagates each batch's loss x scale.
-    Why N ranks make one process's step: one backpropagates sum_m L_m / grad_accum, L_m the mean
-    loss over micro-batch m's targets. A rank's rows hold a share of those targets (1/world for full
+    """This rank's part of optimizer step `step` as (batch, scale) pairs: its B/world rows of each
+    of the grad_accum micro-batches of B rows; it backpropagates each batch's loss x scale. Why N
+    ranks make one process's step: one backpropagates sum_m L_m / grad_accum, L_m the mean loss
+    over micro-batch m's targets. A rank's rows hold a share of those targets (1/world for full
     rows; real_targets counts them where padded rows differ), so L_m sums share x mean loss over the
     ranks, and DDP averages (/ world) their gradients: scale = share x world / grad_accum."""
     for micro in range(grad_accum):
@@ -228,7 +221,6 @@ def configure_optimizer(model, lr, weight_decay):
 
 
 def get_lr(cfg, step, progress):
-    """Linear warmup, then linear (paper) or cosine decay to min_lr as progress goes 0 -> 1."""
     if step < cfg['warmup_iters']:
         return cfg['lr'] * (step + 1) / (cfg['warmup_iters'] + 1)
     cosine = 0.5 * (1 + math.cos(math.pi * progress))
@@ -237,7 +229,6 @@ def get_lr(cfg, step, progress):
 
 
 def budget_used(cfg, step, train_time):
-    """The fraction of the budget spent: the larger of the step and time fractions."""
     steps = step / cfg['max_iters'] if cfg['max_iters'] else 0.0
     return max(steps, train_time / cfg['max_time'] if cfg['max_time'] else 0.0)
 
@@ -282,13 +273,12 @@ def to_device(batch, device):
 
 def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_per_token=None,
         real_targets=None):
-    """Train `model` until the budget is spent, evaluating and checkpointing every eval_interval.
-    get_batch(split, step, micro, shard=0, shards=1) -> a tuple of CPU tensors (the first's numel
-    counts as tokens), a pure function of its arguments (step None: evaluation batch micro);
-    loss_fn(model, batch) -> the loss, through model(...) where DDP's hooks are; real_targets: see
-    rank_batches. Every checkpoint holds ckpt_extra; resume (a checkpoint) is continued exactly,
-    else out_dir's run is replaced. Under torchrun the ranks meet here. Returns dict(step,
-    train_time, best_val, val_loss, stopped): 'budget', or 'diverged' (a non-finite loss)."""
+    """Train `model` until the budget is spent, evaluating and checkpointing on the way (under
+    torchrun the ranks meet here). get_batch(split, step, micro, shard=0, shards=1) -> a tuple of
+    CPU tensors (the first's numel counts as tokens), a pure function of its arguments (step None:
+    evaluation batch micro); loss_fn(model, batch) -> the loss, through model(...) where DDP's hooks
+    are; real_targets: see rank_batches. Every checkpoint holds ckpt_extra; resume (a checkpoint) is
+    continued exactly, else out_dir's run is replaced. stopped: 'diverged' at a non-finite loss."""
     out_dir, device, master = cfg['out_dir'], runtime.device, runtime.master
     log = os.path.join(out_dir, 'log.jsonl') if master else None
     if runtime.distributed and not dist.is_initialized():  # the ranks meet: none refuses after it
@@ -344,7 +334,7 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
                         'dtype': str(runtime.dtype)[6:]}  # a resume keeps it
                 # best.pt first: a crash between the two leaves both whole
                 for name in ('best.pt', 'ckpt.pt') if improved else ('ckpt.pt',):
-                    save_checkpoint(ckpt, os.path.join(out_dir, name))
+                    write_atomic(os.path.join(out_dir, name), lambda f: torch.save(ckpt, f))
                 saved = step
         if progress >= 1:
             break
@@ -354,9 +344,8 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
         lr = get_lr(cfg, step, progress)
         for group in optimizer.param_groups:
             group['lr'] = lr
-        pieces = rank_batches(get_batch, step, cfg['grad_accum'], runtime.rank, runtime.world,
-                              real_targets)
-        for micro, (batch, scale) in enumerate(pieces):
+        for micro, (batch, scale) in enumerate(rank_batches(
+                get_batch, step, cfg['grad_accum'], runtime.rank, runtime.world, real_targets)):
             batch = to_device(batch, device)
             last = micro == cfg['grad_accum'] - 1 or not runtime.distributed  # DDP syncs the last
             with nullcontext() if last else ddp.no_sync(), autocast(device, runtime.dtype):
@@ -411,11 +400,6 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
 
 
 # ----------------------------------------------------------------------------- checkpoints
-
-def save_checkpoint(obj, path):
-    """Atomic: a crash or a full disk never leaves a half-written checkpoint (write_atomic)."""
-    write_atomic(path, lambda f: torch.save(obj, f))
-
 
 def load_checkpoint(path, way_out='train one with train.py, or pass its path'):
     """A checkpoint's dict, on the CPU, after checking that it is one of nanomixer's."""

@@ -297,10 +297,10 @@ def make_ckpt(path, data_dir, **kw):
     cfg = ModelConfig(**{**dict(n_ctx=32, d_model=32, n_layers=2), **kw,
                          'vocab_size': meta['vocab_size']})
     torch.manual_seed(0)
-    train.save_checkpoint({'kind': 'lm', 'model_config': dataclasses.asdict(cfg),
-                           'tokenizer': prepare.Tokenizer.from_meta(meta, str(data_dir)).spec,
-                           'data': {'data_dir': str(data_dir), 'meta': meta},
-                           'model': build_model(cfg).state_dict()}, str(path))
+    torch.save({'kind': 'lm', 'model_config': dataclasses.asdict(cfg),
+                'tokenizer': prepare.Tokenizer.from_meta(meta, str(data_dir)).spec,
+                'data': {'data_dir': str(data_dir), 'meta': meta},
+                'model': build_model(cfg).state_dict()}, str(path))
     return str(path)
 
 

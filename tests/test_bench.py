@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import bench, train
+import bench
 from model import ModelConfig, build_model
 from tests.conftest import HERE, BENCH_TINY, ENV, refused, run_main
 
@@ -233,8 +233,8 @@ def test_race_ctrl_c_leaves_no_child_behind(data, tmp_path):
 
 def ckpt_of(path, model):
     """A train.py-like checkpoint of model at path, its path."""
-    train.save_checkpoint({'kind': 'lm', 'model_config': dataclasses.asdict(model.cfg),
-                           'model': model.state_dict()}, str(path))
+    torch.save({'kind': 'lm', 'model_config': dataclasses.asdict(model.cfg),
+                'model': model.state_dict()}, str(path))
     return str(path)
 
 

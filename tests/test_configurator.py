@@ -200,19 +200,19 @@ def scratch(tmp_path, data_dir):
     torch.save({'model': {'w': torch.zeros(1000)}}, tmp_path / 'cut/ckpt.pt')
     os.truncate(tmp_path / 'cut/ckpt.pt', 1000)  # as a kill -9 during a save leaves it
     for kind in ('indirect', 'retrieval'):
-        train.save_checkpoint({'kind': kind, 'model': {}}, str(tmp_path / f'{kind}.pt'))
+        torch.save({'kind': kind, 'model': {}}, str(tmp_path / f'{kind}.pt'))
     (tmp_path / 'nce').mkdir()  # a retrieve.py train run's folder
-    train.save_checkpoint({'kind': 'retrieval', 'model': {}}, str(tmp_path / 'nce/ckpt.pt'))
+    torch.save({'kind': 'retrieval', 'model': {}}, str(tmp_path / 'nce/ckpt.pt'))
     make_ckpt(tmp_path / 'n1.pt', data_dir, n_ctx=1)
     lm = train.load_checkpoint(make_ckpt(tmp_path / 'lm.pt', data_dir))
-    train.save_checkpoint({**lm, 'model_config': {**lm['model_config'], 'vocab_size': 999}},
-                          str(tmp_path / 'vocab999.pt'))  # not its tokenizer's vocabulary
+    torch.save({**lm, 'model_config': {**lm['model_config'], 'vocab_size': 999}},
+               str(tmp_path / 'vocab999.pt'))  # not its tokenizer's vocabulary
     # checkpoints older than carried tokenizers, their data_dir without its model, or gone
     (tmp_path / 'moved').mkdir()
     for name in ('moved', 'gone'):
-        train.save_checkpoint({**{k: v for k, v in lm.items() if k != 'tokenizer'},
-                               'data': {**lm['data'], 'data_dir': str(tmp_path / name)}},
-                              str(tmp_path / f'{name}.pt'))
+        torch.save({**{k: v for k, v in lm.items() if k != 'tokenizer'},
+                    'data': {**lm['data'], 'data_dir': str(tmp_path / name)}},
+                   str(tmp_path / f'{name}.pt'))
 
 
 @pytest.mark.parametrize('script,argv,culprit', REFUSALS, ids=[f'{s}:{c}' for s, _, c in REFUSALS])

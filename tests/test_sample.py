@@ -160,8 +160,8 @@ def test_cli_greedy_window_equals_cache(arch, native, trained, tmp_path, monkeyp
         saved = train.load_checkpoint(ckpt)
         cfg = ModelConfig(**{**saved['model_config'], 'arch': 'llama'})
         ckpt = tmp_path / 'llama.pt'
-        train.save_checkpoint({**saved, 'model_config': dataclasses.asdict(cfg),
-                               'model': perturbed(cfg, 0.2).state_dict()}, ckpt)
+        torch.save({**saved, 'model_config': dataclasses.asdict(cfg),
+                    'model': perturbed(cfg, 0.2).state_dict()}, ckpt)
     argv = [f'--ckpt={ckpt}', '--prompt=def f2_1(x):', '--max_new_tokens=70', '--temperature=0']
     code, cached, _ = run_main(capsys, 'sample', *argv)
     assert code == 0 and len(cached) > len('def f2_1(x):\n')
@@ -201,7 +201,7 @@ def test_a_cpu_reads_checkpoints_in_float32(trained, tmp_path, monkeypatch, caps
     for native, recorded in ((False, 'bfloat16'), (True, 'bfloat16'), (True, 'float16')):
         cpu_kind(monkeypatch, native)
         ckpt = tmp_path / f'{recorded}.pt'
-        train.save_checkpoint({**saved, 'dtype': recorded}, ckpt)
+        torch.save({**saved, 'dtype': recorded}, ckpt)
         assert retrieve.Embedder(ckpt, 'cpu').dtype == torch.float32
         code, _, err = run_main(capsys, 'sample', f'--ckpt={ckpt}', '--max_new_tokens=2',
                                 '--device=cpu')
