@@ -115,9 +115,8 @@ def row(s, cfg, **measured):
 # ----------------------------------------------------------------------------- throughput
 
 def bench_throughput(s):
-    """ms per training step (forward under autocast, backward, AdamW) of a fresh model per cell:
-    the median of --repeats timed steps after two untimed ones (the allocator's first requests
-    and, with --compile, the compile); tokens/s and MFU against train.peak_flops."""
+    """ms per training step of a fresh model per cell: the median of --repeats timed steps after
+    two untimed ones (the allocator's first requests and, with --compile, the compile)."""
     peak = peak_flops(s.dev, s.torch_dtype)
     gen = torch.Generator().manual_seed(s.seed)
     for cfg in grid(s):
@@ -153,8 +152,8 @@ def proc_status(key):
 
 
 def memory_cell(s):
-    """run_cell's fresh interpreter: one forward + backward of grid(s)[0]'s backbone (no lm head);
-    prints its peak bytes as JSON, on a CPU over those the interpreter and torch held before it."""
+    """bench_memory's child: one forward + backward of grid(s)[0]'s backbone (no lm head); prints
+    its peak MB as JSON, on a CPU over those the interpreter and torch held before it."""
     torch.ones(64, 64) @ torch.ones(64, 64)   # start the thread pool: the baseline holds it
     cuda = s.dev.type == 'cuda'
     base = 0 if cuda else proc_status('VmHWM')
@@ -177,27 +176,22 @@ def memory_cell(s):
         if isinstance(e, RuntimeError) and 'memory' not in str(e).lower():
             raise
         peak = None
-    print(json.dumps({'peak_bytes': peak}))
-
-
-def run_cell(s, arch, n_layers, n_ctx):
-    """Peak bytes of one memory cell run in a fresh interpreter, or None if it ran out of memory."""
-    keys = dict(archs=arch, n_layers=n_layers, n_ctx=n_ctx, **{k: getattr(s, k) for k in (
-        'd_model', 'batch_size', 'n_heads', 'vocab_size', 'device', 'dtype', 'mem_limit')})
-    argv = ['memory', *flags(keys)]
-    code = f"import bench; bench.memory_cell(bench.settings({argv!r}))"
-    proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.abspath(__file__)))
-    if proc.returncode < 0:  # killed by a signal: the kernel's OOM killer, or an allocator's abort
-        return None
-    assert proc.returncode == 0, f"memory cell {flags(keys)} failed: {proc.stderr.strip()}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])['peak_bytes']
+    print(json.dumps({'mb': None if peak is None else peak / 2**20}))
 
 
 def bench_memory(s):
+    """Each cell's peak MB, a fresh interpreter's (memory_cell), or None if it ran out of memory."""
+    keys = {k: getattr(s, k) for k in ('d_model', 'batch_size', 'n_heads', 'vocab_size', 'device',
+                                       'dtype', 'mem_limit')}
     for cfg in grid(s):
-        peak = run_cell(s, cfg.arch, cfg.n_layers, cfg.n_ctx)
-        mb = None if peak is None else peak / 2**20
+        cell = dict(keys, archs=cfg.arch, n_layers=cfg.n_layers, n_ctx=cfg.n_ctx)
+        code = f"import bench; bench.memory_cell(bench.settings({['memory', *flags(cell)]!r}))"
+        proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)))
+        mb = None  # stays if killed by a signal: the kernel's OOM killer, or an allocator's abort
+        if proc.returncode >= 0:
+            assert proc.returncode == 0, f"memory cell {flags(cell)} failed: {proc.stderr.strip()}"
+            mb = json.loads(proc.stdout.strip().splitlines()[-1])['mb']
         yield row(s, cfg, n_heads=cfg.n_heads, batch_size=s.batch_size, mb=mb)
 
 
@@ -228,10 +222,9 @@ def read_bandwidth(dev):
 
 
 def bench_generate(s):
-    """Greedy decoding tokens/s per arch, method and batch size, and the GB/s it implies: the bytes
-    a step reads (decode_bytes, averaged over the timed positions) x steps/s. The weights are cast
-    to the dtype, not autocast: a step is bound by reading them. window runs at the first batch
-    size only (compute-bound: batch B costs B forwards)."""
+    """Greedy decoding tokens/s per arch, method and batch size, and the GB/s it implies (bytes a
+    step reads x steps/s). Weights are cast to the dtype, not autocast: a step is bound by reading
+    them. window runs at the first batch size only (compute-bound: batch B costs B forwards)."""
     if s.prompt < 1 or s.new_tokens < 2:  # a stream starts from a token; a rate needs two stamps
         raise ValueError(f"--prompt={s.prompt} --new_tokens={s.new_tokens}: time a prompt of 1 "
                          f"token or more and 2 new tokens or more")
@@ -386,9 +379,8 @@ def bench_represent(s):
 # ----------------------------------------------------------------------------- weights
 
 def mixing_matrices(model):
-    """(layer, panel, matrix (rows, cols)) per Mixing and head, as the model uses it: masked
-    entries 0, softmax mixers' rows softmaxed, kernel > 1 as the norm over its taps (all masked
-    alike). Expanded mixers: mix (hidden, n_ctx) and mix2 (n_ctx, hidden)."""
+    """(layer, panel, matrix (rows, cols)) per Mixing and head, as the model uses it; kernel > 1:
+    the norm over its taps (masked alike). Expanded: mix (hidden, n_ctx), mix2 (n_ctx, hidden)."""
     for name, m in model.named_modules():
         if isinstance(m, Mixing):  # 'backbone.blocks.0.mixers.0.mix.1': layer 1, mix.1
             stack, i, leaf = re.fullmatch(r'(.*?)blocks\.(\d+)\.mixers\.[\d.]*(.+)', name).groups()
@@ -411,8 +403,7 @@ def near_mass(M, k):
 
 
 def bench_weights(s):
-    """--ckpt's mixing matrices in one PNG, a row of panels per layer on one colour scale centred
-    on 0 (its first --positions), and a row each of near_mass at k = 1, 8 and 64."""
+    """--ckpt's mixing matrices in one PNG, a row of panels per layer; a near_mass row each."""
     assert s.ckpt, "weights draws a checkpoint's mixing matrices: pass --ckpt=CKPT"
     assert s.positions >= 0, f"--positions={s.positions}: draw 1 or more (0: up to 128)"
     model = model_from_checkpoint(load_checkpoint(s.ckpt))
@@ -738,7 +729,7 @@ def race_table(curves):
 def race_png(s, path, panels):
     """`panels` axes side by side to draw on; then grids, legends and the race's title, to path."""
     from matplotlib.figure import Figure  # no pyplot: no window, no backend to choose
-    fig = Figure(figsize=(4 + 3.5 * panels, 4.2))
+    fig = Figure(figsize=(4 + 3.5 * panels, 4.2), layout='tight')
     axes = fig.subplots(1, panels, squeeze=False)[0]
     yield axes
     for ax in axes:
@@ -747,7 +738,6 @@ def race_png(s, path, panels):
     how = 'at once, 1 thread each' if s.dev.type == 'cpu' else 'one after another'
     fig.suptitle(f"{s.machine}, {s.dtype}: {s.max_time:g} s of training per model ({how})",
                  fontsize=10)
-    fig.tight_layout()
     write_atomic(path, lambda f: fig.savefig(f, format='png', dpi=80))
 
 

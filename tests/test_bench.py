@@ -60,12 +60,13 @@ def test_bench_memory(tmp_path, capsys):
     full = bench.settings(['memory', '--full', '--n_layers=2'])  # the paper's grid, argv winning
     assert (full.d_model, full.n_layers, full.n_ctx[-1]) == (1024, [2], 8192)
     assert bench.settings(['throughput', '--full']).n_ctx == [128, 256, 512, 1024]
-    one, eight = (bench.settings(['memory', *small, f'--n_heads={h}']) for h in (1, 8))
+    eight = bench.settings(['memory', *small, '--n_heads=8'])
     assert [cfg.n_heads for cfg in bench.grid(eight)] == [1, 8]  # the default archs: mixer, llama
     # the 7 more heads' attention weights kept for backward alone: 7 x 2 rows x 512^2 x 4 bytes x 2
     # layers = 29 MB (peak RSS shows 55 to 100 MB more, depending on the allocator's reuse)
-    more = bench.run_cell(eight, 'llama', 2, 512) - bench.run_cell(one, 'llama', 2, 512)
-    assert more > 25 * 2**20
+    mb1, mb8 = (bench.main(['memory', *small, '--archs=llama', f'--n_heads={h}'])[0]['mb']
+                for h in (1, 8))
+    assert mb8 - mb1 > 25
 
 
 def test_bench_generate_methods_batches_and_bandwidth():
