@@ -1,7 +1,6 @@
 """The command line of every script, as nanoGPT's configurator.py: defaults, then presets (bare
-words, files of `key = value` lines) and --key=value flags in the order given, each typed like its
-default. Also what every script does at its boundaries: one `error:` line and status 2 for bad
-input, files written whole or not at all."""
+words: files of `key = value` lines) and --key=value flags in order, each typed like its default;
+and the boundaries: bad input is one `error:` line and status 2, files are written whole or not."""
 import ast, contextlib, difflib, os, sys, tempfile, time
 from pathlib import Path
 
@@ -83,12 +82,11 @@ def help_text(defaults, script):
     for path in (script, os.path.join(here, 'train.py'), os.path.join(here, 'model.py')):
         lines = Path(path).read_text(encoding='utf-8').splitlines()
         for node in ast.walk(ast.parse('\n'.join(lines))):
+            pairs = []  # (key, value source) of a dict(...) keyword or a dataclass field
             if isinstance(node, ast.Call) and getattr(node.func, 'id', '') == 'dict':
                 pairs = [(k.arg, k.value) for k in node.keywords if k.arg]
             elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 pairs = [(node.target.id, node.value or node)]
-            else:
-                continue
             for key, value in pairs:
                 end = value.end_lineno
                 note = lines[end - 1].partition('  # ')[2]
@@ -163,8 +161,7 @@ def check_output_file(path, flag):
 
 
 def run_main(body, interrupted='interrupted'):
-    """Every script's main(): bad input prints one `error: ...` line (once under torchrun: every
-    rank refuses alike, rank 0 says so) and returns 2; Ctrl-C returns 130 saying what survives."""
+    """Every main(): bad input is one `error:` line and status 2; Ctrl-C, 130 and `interrupted`."""
     try:
         return body() or 0
     except (ValueError, AssertionError) as e:

@@ -131,23 +131,23 @@ def test_docstring_and_ict_pairs():
     """A docstring's first paragraph, joined, queries its code without the docstring (decorators
     kept); an ICT query is one sentence of a 6-sentence window, its target the others, separators
     kept."""
-    assert docstring_pairs(FIXTURE_PY) == [
+    assert list(docstring_pairs(FIXTURE_PY)) == [
         ('Area of a circle of radius r.',
          '@functools.cache\ndef area(r):\n    return 3.14159 * r * r'),
         ('A last-in first-out stack.',
          'class Stack:\n\n    def push(self, x):\n        self.items.append(x)'),
         ('Put x on top.', 'def push(self, x):\n    self.items.append(x)')]
-    assert docstring_pairs('def broken(:\n    """Nope."""\n') == []
+    assert list(docstring_pairs('def broken(:\n    """Nope."""\n')) == []
     sentences = [f'Sentence number {i} has words.' for i in range(8)]
     text = ' '.join(sentences[:4]) + '\n\n' + ' '.join(sentences[4:])
-    pairs = ict_pairs(text, 'doc')
+    pairs = list(ict_pairs(text, 'doc'))
     # deterministic; the 2-sentence tail is too short
-    assert len(pairs) == 1 and pairs == ict_pairs(text, 'doc')
+    assert len(pairs) == 1 and pairs == list(ict_pairs(text, 'doc'))
     query, target = pairs[0]
     assert query in sentences[:6] and query not in target
     assert '\n\n' in target or query == sentences[3]
     assert target.split() == ' '.join(s for s in sentences[:6] if s != query).split()
-    assert ict_pairs('Too short. Only two.', 'x') == []
+    assert list(ict_pairs('Too short. Only two.', 'x')) == []
 
 
 def test_text_dataset_pairs(tmp_path, stdlib_dir, capsys):
