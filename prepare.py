@@ -88,10 +88,6 @@ class Tokenizer:
             self.spec = {'kind': 'sentencepiece', 'model': model}
 
     @classmethod
-    def from_meta(cls, meta, data_dir):
-        return cls(meta['tokenizer'], data_dir)
-
-    @classmethod
     def from_checkpoint(cls, ckpt):
         """The spec a checkpoint carries; an older checkpoint without one reads its data folder."""
         if 'tokenizer' in ckpt:
@@ -100,14 +96,7 @@ class Tokenizer:
         if not os.path.isdir(data_dir):
             raise ValueError(f"the checkpoint carries no tokenizer and {data_dir}, the data it was "
                              f"trained on, is gone: prepare that data there again")
-        return cls.from_meta(ckpt['data']['meta'], data_dir)
-
-    @classmethod
-    def from_dir(cls, data_dir):
-        path = os.path.join(data_dir, 'meta.json')
-        if not os.path.isfile(path):
-            raise ValueError(f'{path} not found: prepare the data first (python prepare.py)')
-        return cls.from_meta(json.loads(Path(path).read_text()), data_dir)
+        return cls(ckpt['data']['meta']['tokenizer'], data_dir)
 
     def encode(self, text, bos=False, eos=False):
         # (tiktoken's ordinary encoding: text that looks like a special token stays text)
@@ -246,7 +235,7 @@ def hub_download(args, repo, names):
                 hf_hub_download(repo, name, repo_type='dataset', local_dir=local_dir,
                                 endpoint=args.hub_url)
             except Exception as e:
-                why = str(e).strip().splitlines()[0][:200]
+                why = str(e).strip().partition('\n')[0][:200]
                 raise ValueError(f"downloading {name} failed ({type(e).__name__}: {why}); {hint}")
     return paths
 
@@ -361,7 +350,7 @@ def train_tokenizer(documents, stride, vocab_size, path):
             max_sentence_length=16384, input_sentence_size=0, unk_id=0, bos_id=1, eos_id=2,
             pad_id=3, num_threads=2, minloglevel=2)
     except RuntimeError as e:  # sentencepiece's complaint, on one line
-        why = str(e).strip().splitlines()[0]
+        why = str(e).strip().partition('\n')[0]
         if 'required_chars' in why:
             why = (f'--vocab_size={vocab_size} is too small for this corpus: raise it to 260 '
                    f'plus one per distinct character')
@@ -518,7 +507,8 @@ def prepare(args):
     try:
         tokenizer = Tokenizer(spec, args.out_dir)
     except RuntimeError as e:  # sentencepiece's complaint, on one line
-        raise ValueError(f'{tok} is not a sentencepiece model ({str(e).strip().splitlines()[0]})')
+        why = str(e).strip().partition('\n')[0]
+        raise ValueError(f'{tok} is not a sentencepiece model ({why})')
     dtype = 'uint16' if tokenizer.vocab_size <= 65535 else 'uint32'
     if kind == 'train' and tokenizer.vocab_size < vocab:
         print(f'warning: this corpus yields only {tokenizer.vocab_size:,} pieces, so the tokenizer '

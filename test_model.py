@@ -20,11 +20,10 @@ import torch.nn.functional as F
 
 import model as M, train
 from model import ModelConfig, build_model
-from prepare import Tokenizer
 from tests.conftest import (V, N, D, ARCHS, VOCAB, N_CTX, name, VARIANTS, PADDED, assert_causal,
                             window_equals_cache, reference_attention, tiny, perturbed, make,
                             embedding_grad, padded_batch, tiny_model, prompt, decode, train_run,
-                            records, weights)
+                            records, weights, tokenizer)
 from tests.conftest import data, one_thread  # noqa: F401 (fixtures: a parameter names one)
 
 
@@ -111,7 +110,7 @@ def test_golden_run(data, tmp_path):
     for key, want in GOLDEN_LOSS.items():
         assert last[key] == pytest.approx(want, rel=GOLDEN_REL), (key, last[key])
     model = train.model_from_checkpoint(weights(tmp_path)).eval()
-    bos = torch.tensor([[Tokenizer.from_dir(data).bos_id]])
+    bos = torch.tensor([[tokenizer(data).bos_id]])
     tokens, logits = decode(model, bos, len(GOLDEN_TOKENS), 'cache')   # (1, K), (1, K, vocab)
     top2 = logits.topk(2, dim=-1).values
     assert (top2[..., 0] - top2[..., 1]).min() > GOLDEN_MARGIN

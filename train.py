@@ -553,7 +553,7 @@ def train_lm(argv):
               f"{runtime.describe()}, {runtime.world} process(es), "
               f"{cfg['batch_size'] * cfg['grad_accum'] * mcfg.n_ctx:,} tokens per step")
     extra = {'kind': 'lm', 'model_config': asdict(mcfg),
-             'tokenizer': Tokenizer.from_meta(meta, cfg['data_dir']).spec,  # from_checkpoint's
+             'tokenizer': Tokenizer(meta['tokenizer'], cfg['data_dir']).spec,  # from_checkpoint's
              'data': {'data_dir': os.path.abspath(cfg['data_dir']), 'meta': meta}}  # a record
     loss_fn = lambda model, batch: model(batch[0], targets=batch[1], mask=batch[2])[1]  # noqa
     # lm_loss averages over the targets that are not -1: row shards of padded documents differ

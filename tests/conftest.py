@@ -230,6 +230,11 @@ def records(out_dir, key):
     return [r for r in map(json.loads, open(os.path.join(out_dir, 'log.jsonl'))) if key in r]
 
 
+def tokenizer(data_dir):
+    """The tokenizer prepare.py wrote into data_dir, as train.py reads it."""
+    return prepare.Tokenizer(train.load_meta(data_dir)['tokenizer'], str(data_dir))
+
+
 def weights(out_dir, name='ckpt.pt'):
     return torch.load(os.path.join(out_dir, name), map_location='cpu', weights_only=True)
 
@@ -298,7 +303,7 @@ def make_ckpt(path, data_dir, **kw):
                          'vocab_size': meta['vocab_size']})
     torch.manual_seed(0)
     torch.save({'kind': 'lm', 'model_config': dataclasses.asdict(cfg),
-                'tokenizer': prepare.Tokenizer.from_meta(meta, str(data_dir)).spec,
+                'tokenizer': prepare.Tokenizer(meta['tokenizer'], str(data_dir)).spec,
                 'data': {'data_dir': str(data_dir), 'meta': meta},
                 'model': build_model(cfg).state_dict()}, str(path))
     return str(path)

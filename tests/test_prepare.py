@@ -10,7 +10,7 @@ import pytest
 
 import prepare
 from prepare import Tokenizer, docstring_pairs, ict_pairs
-from tests.conftest import HERE, train_run, run_main, refused
+from tests.conftest import HERE, tokenizer, train_run, run_main, refused
 
 
 def test_pystdlib_subset_agrees_with_meta_and_splits_by_module(stdlib_dir, capsys):
@@ -43,7 +43,7 @@ def test_tokenizer_round_trips_and_trains_deterministically(stdlib_dir, tmp_path
     """Any text round-trips (unseen characters as byte pieces), by the folder's model or the spec
     that holds it (a checkpoint's); a folder without its model is refused, naming it; training reads
     only its sample of the stream and makes the same model twice."""
-    tok = Tokenizer.from_dir(stdlib_dir)
+    tok = tokenizer(stdlib_dir)
     texts = ['naïve café, Ærøskøbing', 'emoji 🎉🚀 👩‍👩‍👧 ✔️',
              '中文字符 ∀x∈ℝ: x² ≥ 0', 'ʘ‿ʘ ☃ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢',
              '  lead\t\ttabs\n\n  trailing  \r\n\x00\x01\x7f', '<s></s><pad><unk><|endoftext|>', '',
@@ -56,12 +56,12 @@ def test_tokenizer_round_trips_and_trains_deterministically(stdlib_dir, tmp_path
     assert tok.decode([tok.bos_id, *tok.encode('hi'), tok.eos_id, tok.pad_id]) == 'hi'
     assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
     assert Tokenizer(tok.spec).encode_batch(texts) == tok.encode_batch(texts)
-    with pytest.raises(ValueError, match='meta.json'):
-        Tokenizer.from_dir(tmp_path)
+    with pytest.raises(ValueError, match='no prepared data'):
+        tokenizer(tmp_path)
     (tmp_path / 'lost').mkdir()
     shutil.copy(os.path.join(stdlib_dir, 'meta.json'), tmp_path / 'lost')
     with pytest.raises(ValueError, match='lost/tokenizer.model not found: prepare the data again'):
-        Tokenizer.from_dir(tmp_path / 'lost')
+        tokenizer(tmp_path / 'lost')
     monkeypatch.setattr(prepare, 'TOKENIZER_SAMPLE', 20_000)
     pulled = []
 
@@ -236,7 +236,7 @@ def test_hub_parquet_shards(tmp_path, hub):
     texts, used = hub.shards[0] + hub.shards[1], docs['train'] + docs['val']
     assert set(used) < set(texts) and sorted(used, key=texts.index) == texts[:len(used)]
     assert len(used) > 30
-    last = len(Tokenizer.from_dir(tmp_path / 'data/fineweb-edu').encode(docs['train'][-1])) + 2
+    last = len(tokenizer(tmp_path / 'data/fineweb-edu').encode(docs['train'][-1])) + 2
     assert meta['train_tokens'] >= 6000 > meta['train_tokens'] - last and meta['dtype'] == 'uint16'
     assert pairs['train'] and all(p['query'] not in p['target'] for p in pairs['train'])
     r = hub_cli(tmp_path, 'finemath', f'--hub_url={hub.url}')
@@ -307,7 +307,7 @@ def read_folder(out):
     BOS ... EOS at its recorded offset, every count and id agrees."""
     meta = json.load(open(os.path.join(out, 'meta.json')))
     assert meta['dtype'] == ('uint16' if meta['vocab_size'] < 65536 else 'uint32')
-    tok = Tokenizer.from_dir(out)
+    tok = tokenizer(out)
     for k in ('vocab_size', 'bos_id', 'eos_id', 'pad_id'):
         assert isinstance(meta[k], int) and getattr(tok, k) == meta[k]
     docs, pairs = {}, {}

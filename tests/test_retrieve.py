@@ -10,7 +10,8 @@ import torch.nn.functional as F
 import model as M, retrieve, train
 from prepare import Tokenizer
 from tests.conftest import (V, name, tiny, make, records, weights, run_main, refused,
-                            without_paths, torchrun, PAIR_WORDS, pair_texts, write_pairs)
+                            without_paths, torchrun, PAIR_WORDS, pair_texts, write_pairs,
+                            tokenizer)
 
 
 def test_info_nce_is_eq7():
@@ -133,7 +134,7 @@ def test_pair_batches_layout_and_row_shards(corpus, negatives):
     """B queries, then B targets (inbatch) or B groups of 31 candidates (paper), the match at its
     label, each text from position 0; a pure function of its arguments. A row shard keeps its
     queries and every in-batch target: the shard losses average to the batch's."""
-    tok = Tokenizer.from_dir(str(corpus.data))
+    tok = tokenizer(str(corpus.data))
     get = retrieve.PairBatches(dict(train.LOOP_DEFAULTS, data_dir=str(corpus.data),
                                     negatives=negatives, batch_size=4), tok, 32)
     idx, mask, labels = get('val', None, 1)

@@ -7,9 +7,8 @@ import torch
 
 import retrieve, sample, train
 from model import ModelConfig
-from prepare import Tokenizer
 from tests.conftest import (N_CTX, name, VARIANTS, perturbed, tiny_model, prompt, decode, run_main,
-                            without_paths, cpu_kind, train_run)
+                            without_paths, cpu_kind, train_run, tokenizer)
 
 
 @pytest.mark.parametrize('variant', VARIANTS, ids=name)
@@ -128,7 +127,7 @@ def test_cli_seeds_batches_and_prompts(trained, data, tmp_path, capsys):
     code, out, err = run_main(capsys, 'sample', f'--out_dir={trained}', f'--prompt={long}',
                               '--max_new_tokens=5')
     assert code == 0 and '31' in without_paths(err)
-    tok = Tokenizer.from_dir(data)
+    tok = tokenizer(data)
     kept = tok.decode(tok.encode(long)[-31:])
     assert long.endswith(kept) and out.startswith(kept) and len(out) > len(kept) + 1
 
