@@ -7,8 +7,8 @@ Train a nanomixer model: one loop for every arch and objective, on one device or
 
 A step averages grad_accum micro-batches of batch_size sequences whatever the number of processes,
 and each micro-batch is a pure function of (seed, split, step, micro): a preset is the same
-experiment on 1 GPU or 8, and a resumed run ends bit-identical (a max_time budget reads the clock,
-so there only the batches repeat). The run stops at max_iters steps or max_time seconds of
+experiment on 1 GPU or 8, and a resumed CPU run ends bit-identical (a max_time budget reads the
+clock: there only the batches repeat). The run stops at max_iters steps or max_time seconds of
 training, whichever comes first; the learning rate decays as that budget is used. out_dir gets
 ckpt.pt (last), best.pt (lowest val loss) and log.jsonl (a JSON object a line).
 """
