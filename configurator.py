@@ -161,7 +161,7 @@ def check_output_file(path, flag):
 
 
 def run_main(body, interrupted='interrupted'):
-    """Every main(): bad input is one `error:` line and status 2; Ctrl-C, 130 and `interrupted`."""
+    """Every main(): bad input is one `error:` line, status 2; Ctrl-C prints `interrupted`, 130."""
     try:
         return body() or 0
     except (ValueError, AssertionError) as e:
