@@ -228,12 +228,12 @@ def bench_generate(s):
     if s.prompt < 1 or s.new_tokens < 2:  # a stream starts from a token; a rate needs two stamps
         raise ValueError(f"--prompt={s.prompt} --new_tokens={s.new_tokens}: time a prompt of 1 "
                          f"token or more and 2 new tokens or more")
+    if s.prompt + s.new_tokens > min(s.n_ctx):  # before any cell runs
+        raise ValueError(f"--prompt={s.prompt} plus --new_tokens={s.new_tokens} exceeds "
+                         f"n_ctx={min(s.n_ctx)}: shorten them or raise --n_ctx")
     bandwidth = read_bandwidth(s.dev)
     gen = torch.Generator().manual_seed(s.seed)
     for cfg in grid(s):
-        if s.prompt + s.new_tokens > cfg.n_ctx:
-            raise ValueError(f"--prompt={s.prompt} plus --new_tokens={s.new_tokens} exceeds "
-                             f"n_ctx={cfg.n_ctx}: shorten them or raise --n_ctx")
         torch.manual_seed(s.seed)
         model = decode_layout(build_model(cfg).to(s.dev, s.torch_dtype).eval())  # as sample.py
         if s.compile:  # each model's step is one more graph: stay under the recompile limit
