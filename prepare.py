@@ -25,7 +25,7 @@ import numpy as np
 import sentencepiece as spm
 from tqdm import tqdm
 
-from configurator import check_out_dir, parse_args, run_main, write_atomic
+from configurator import check_out_dir, parse_args, read_text_file, run_main, write_atomic
 
 # ----------------------------------------------------------------------------- corpora
 
@@ -284,7 +284,7 @@ def hub_documents(args, val_share):
     return documents, [repo, files], None, source
 
 
-# ----------------------------------------------------------------------------- retrieval pairs
+# ------------------------------------------------- retrieval pairs (and retrieve.py search's spans)
 
 def docstring_pairs(source):
     """(its docstring's first paragraph, its source without docstrings) per documented def/class."""
@@ -309,6 +309,28 @@ def docstring_pairs(source):
         yield summary, textwrap.dedent(code.decode()).rstrip()
 
 
+def python_spans(source, n_lines):
+    """A Python file's lines as (first, last) spans, 1-based, in order: each function, each method
+    (a class's other lines are a span of their own) and each run of lines between them; None if it
+    does not parse."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    owner = [0] * (n_lines + 1)  # owner[line]: the definition it belongs to, 0 = the module
+
+    def claim(body):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                owner[first:node.end_lineno + 1] = [id(node)] * (node.end_lineno + 1 - first)
+                if isinstance(node, ast.ClassDef):
+                    claim(node.body)                     # its methods are spans of their own
+    claim(tree.body)
+    starts = [i for i in range(1, n_lines + 1) if i == 1 or owner[i] != owner[i - 1]]
+    return list(zip(starts, [i - 1 for i in starts[1:]] + [n_lines]))
+
+
 def ict_pairs(text, key, size=6):
     """Inverse cloze: per passage of `size` sentences, one sentence -> the passage without it."""
     parts = re.split(r'(?<=[.!?])(\s+)', text.strip())  # sentences and what separates them
@@ -325,6 +347,25 @@ def document_pairs(kind, key, text):
     if kind == 'docstring':
         return docstring_pairs(text) if key.split('#')[0].endswith('.py') else []
     return ict_pairs(text, key) if kind == 'ict' else []
+
+
+def read_pairs(path):
+    """(queries, targets) of a pairs file: encode's JSONL, or yours with query and target."""
+    queries, targets = [], []
+    for lineno, line in enumerate(read_text_file(path, 'pairs file').split('\n'), 1):
+        if not line.strip():
+            continue
+        row = None
+        with contextlib.suppress(json.JSONDecodeError):
+            row = json.loads(line)
+        if not (isinstance(row, dict)
+                and all(isinstance(row.get(k), str) for k in ('query', 'target'))):
+            raise ValueError(f"{path}:{lineno}: not a JSON object with string fields query and "
+                             f"target: fix or delete that line")
+        queries.append(row['query'])
+        targets.append(row['target'])
+    assert len(queries) >= 2, f"{path} holds {len(queries)} pair(s): retrieval needs at least 2"
+    return queries, targets
 
 
 # ------------------------------------------------------------------------- tokenizer and encoding

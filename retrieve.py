@@ -15,7 +15,7 @@ python retrieve.py COMMAND --help lists its keys; train and indirect run train.p
 n counts as Table 1's caption does: one query, its matching target and n-2 non-matching targets,
 so n-1 candidates (chance 1/(n-1)); indirect's c and train's paper negatives count the same way.
 """
-import ast, contextlib, hashlib, json, math, os, re, sys
+import contextlib, hashlib, json, math, os, re, sys
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ import train
 from model import RetrievalMixer
 from configurator import (check_output_file, int_list, parse_args, read_text_file, run_main,
                           write_atomic)
-from prepare import Tokenizer, visible_files
+from prepare import Tokenizer, python_spans, read_pairs, visible_files
 
 TAU = 0.02             # InfoNCE temperature (eq. 8)
 PAPER_N = 32           # --negatives=paper: a query, its target and 30 non-matching ones (§6.3)
@@ -91,25 +91,6 @@ SEARCH = dict(
 
 
 # ----------------------------------------------------------------------------- pairs, embeddings
-
-def read_pairs(path):
-    """(queries, targets) from a JSONL file of {"query": ..., "target": ...} lines."""
-    queries, targets = [], []
-    for lineno, line in enumerate(read_text_file(path, 'pairs file').split('\n'), 1):
-        if not line.strip():
-            continue
-        row = None
-        with contextlib.suppress(json.JSONDecodeError):
-            row = json.loads(line)
-        if not (isinstance(row, dict)
-                and all(isinstance(row.get(k), str) for k in ('query', 'target'))):
-            raise ValueError(f"{path}:{lineno}: not a JSON object with string fields query and "
-                             f"target: fix or delete that line")
-        queries.append(row['query'])
-        targets.append(row['target'])
-    assert len(queries) >= 2, f"{path} holds {len(queries)} pair(s): retrieval needs at least 2"
-    return queries, targets
-
 
 def pad(seqs, n_ctx, pad_id, left=False):
     """Token lists -> idx (B, n_ctx) and mask (B, n_ctx), True on real tokens. A text keeps its
@@ -352,13 +333,6 @@ def retrieval_metrics(score, N, ns, seed):
             'n_pairs': N}
 
 
-def capped(ns, key, n_pairs):
-    """--n or --c values (Table 1's counts), each capped at n_pairs + 1: the query, every target."""
-    if max(ns) > n_pairs + 1:
-        print(f"note: only {n_pairs} pairs, so {key} is capped at {n_pairs + 1}", file=sys.stderr)
-    return sorted({min(n, n_pairs + 1) for n in ns})
-
-
 def code_words(text):
     """BM25's terms for code and prose: words and identifier parts, lowercased, so that the query
     "read a file" meets read_file and ReadFile alike (both give read, file)."""
@@ -410,7 +384,9 @@ def cmd_eval(cfg):
     if not (cfg['ckpt'] or cfg['peer']):
         raise ValueError("nothing to evaluate: pass --ckpt=CKPT and/or --peer=NAME_OR_PATH")
     queries, targets = read_pairs(cfg['pairs'])
-    ns, device, embedders = int_list(cfg['n'], 'n', low=3), train.resolve_device(cfg['device']), {}
+    # n past the pairs means the query against every target: capped there
+    ns = sorted({min(n, len(queries) + 1) for n in int_list(cfg['n'], 'n', low=3)})
+    device, embedders, scores = train.resolve_device(cfg['device']), {}, {}
     if cfg['ckpt']:
         embedders[cfg['ckpt']] = Embedder(cfg['ckpt'], **{k: cfg[k] for k in EMBED})
     peers = cfg['peer'].split(',') if cfg['peer'] else []
@@ -419,7 +395,6 @@ def cmd_eval(cfg):
     for name in peers:  # each loads before any scoring
         if name not in ('bm25', 'hybrid'):
             embedders[name] = peer_embedder(name, device, cfg['batch_size'])
-    ns, scores = capped(ns, 'n', len(queries)), {}  # noted once the models have loaded
     for name, embed in embedders.items():
         q, t = embed(queries), embed(targets)                      # (N, d) unit rows each
         scores[name] = lambda rows, q=q, t=t: q[rows] @ t.T        # cosines
@@ -471,7 +446,8 @@ def cmd_indirect(cfg):
     """Frozen embeddings, a RetrievalMixer per c (paper §6.2): how much retrieval the pretrained
     embeddings carry, without changing the model that made them."""
     pairs = {s: read_pairs(os.path.join(cfg['data_dir'], f'pairs_{s}.jsonl')) for s in train.SPLITS}
-    cs = capped(int_list(cfg['c'], 'c', low=3), 'c', min(len(pairs[s][0]) for s in pairs))
+    most = min(len(pairs[s][0]) for s in pairs) + 1     # the query and every target (as eval's n)
+    cs = sorted({min(c, most) for c in int_list(cfg['c'], 'c', low=3)})
     outs, n_val = {c: os.path.join(cfg['out_dir'], f'c{c}') for c in cs}, len(pairs['val'][0])
     train.check_loop(cfg)
     for folder in outs.values():   # every output location, before any embedding or training
@@ -522,28 +498,6 @@ def cmd_indirect(cfg):
 
 # ----------------------------------------------------------------------------- search
 
-def python_spans(source, n_lines):
-    """A Python file's lines as (first, last) spans, 1-based, in order: each function, each method
-    (a class's other lines are a span of their own) and each run of lines between them; None if it
-    does not parse."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return None
-    owner = [0] * (n_lines + 1)  # owner[line]: the definition it belongs to, 0 = the module
-
-    def claim(body):
-        for node in body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-                owner[first:node.end_lineno + 1] = [id(node)] * (node.end_lineno + 1 - first)
-                if isinstance(node, ast.ClassDef):
-                    claim(node.body)                     # its methods are spans of their own
-    claim(tree.body)
-    starts = [i for i in range(1, n_lines + 1) if i == 1 or owner[i] != owner[i - 1]]
-    return list(zip(starts, [i - 1 for i in starts[1:]] + [n_lines]))
-
-
 def chunks_of(path, text, tok, budget):
     """A file's chunks as (first, last) line spans, 1-based, never a partial line: for Python the
     spans of python_spans, for other text the whole file, each cut at line boundaries into pieces
@@ -564,10 +518,11 @@ def chunks_of(path, text, tok, budget):
 
 
 def search_index(embedder, files, path, key):
-    """The chunks of `files` ({path: text}) and their embeddings, kept in the index file `path`
-    from one call to the next: {'key': key, 'files': {absolute path: (sha256 of its text, spans
-    (k, 2), embeddings (k, d_model))}}. Only new and changed files are embedded, then the index is
-    written back whole. key names the checkpoint, pool and padding: another's index is refused."""
+    """The chunks of `files` ({path: text}) and their embeddings, kept in the index file `path` from
+    one call to the next: {'key': key, 'files': {absolute path: (sha256 of its text, spans (k, 2),
+    embeddings (k, d_model))}}. Only new and changed files are embedded, then the index is written
+    back whole (a file deleted from disk leaves it). key names the checkpoint, pool and padding:
+    another's index is refused."""
     index = {'key': key, 'files': {}}
     if os.path.exists(path):
         index = torch.load(path, weights_only=True)
@@ -585,7 +540,8 @@ def search_index(embedder, files, path, key):
     for f, (sha, spans) in todo.items():
         rows, emb = emb[:len(spans)], emb[len(spans):]
         index['files'][os.path.abspath(f)] = sha, torch.tensor(spans).view(-1, 2), rows
-    if todo:
+    if todo:  # written back whole, less the files deleted since
+        index['files'] = {f: v for f, v in index['files'].items() if os.path.isfile(f)}
         write_atomic(path, lambda out: torch.save(index, out))
     return {f: index['files'][os.path.abspath(f)] for f in files}, len(texts)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import model as M, retrieve, train
+import model as M, prepare, retrieve, train
 from prepare import Tokenizer
 from tests.conftest import (V, name, tiny, make, records, weights, run_main, refused,
                             without_paths, torchrun, PAIR_WORDS, pair_texts, write_pairs,
@@ -160,7 +160,7 @@ def test_pair_batches_layout_and_row_shards(corpus, negatives):
 
 def test_eval_identical_texts_is_100_percent_and_n_is_capped(corpus, capsys, tmp_path):
     """Untrained but deterministic encoders find a target identical to its query at every n; n
-    past the pair count is capped at it + 1 (the query and every target), announced."""
+    past the pair count is capped at it + 1 (the query and every target), a column of its own."""
     write_pairs(tmp_path / 'same.jsonl',
                 [(t, t) for _, t in (pair_texts(random.Random(1), i) for i in range(40))])
     for ckpt in (corpus.mixer, corpus.llama, corpus.ae):
@@ -173,7 +173,7 @@ def test_eval_identical_texts_is_100_percent_and_n_is_capped(corpus, capsys, tmp
     code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={corpus.mixer}',
                               f'--pairs={corpus.data}/pairs_val.jsonl', '--n=16,64,128',
                               f'--json={tmp_path}/m.json')
-    assert code == 0 and '49' in without_paths(err)
+    assert code == 0 and re.search(r'^n +16 +49  MRR@10', out, re.M), out
     assert list(json.loads((tmp_path / 'm.json').read_text())['top1']) == ['16', '49']
 
 
@@ -217,7 +217,7 @@ def test_eval_peer(corpus, capsys, tmp_path, monkeypatch):
                               f'--json={tmp_path}/m.json')
     assert code == 0, err
     m = json.loads((tmp_path / 'm.json').read_text())
-    queries, targets = retrieve.read_pairs(str(pairs))
+    queries, targets = prepare.read_pairs(str(pairs))
     q, t = (F.normalize(torch.from_numpy(FakePeer(str(tmp_path), local_files_only=True)
                                          .encode(x)), dim=-1) for x in (queries, targets))
     expect = retrieve.retrieval_metrics(lambda rows: q[rows] @ t.T, len(q), (8, 16), 0)
@@ -306,7 +306,7 @@ def test_indirect_trains_on_raw_hidden_states(corpus, capsys, tmp_path, monkeypa
     model = train.model_from_checkpoint(ckpt).eval()
     tok = Tokenizer.from_checkpoint(ckpt)
     texts = [t for s in train.SPLITS
-             for side in retrieve.read_pairs(corpus.data / f'pairs_{s}.jsonl') for t in side]
+             for side in prepare.read_pairs(corpus.data / f'pairs_{s}.jsonl') for t in side]
     with torch.no_grad():                               # the last token's state, (N, 32)
         h = torch.cat([model.hidden(torch.tensor([tok.encode(t, bos=True)[:32]]))[:, -1]
                        for t in texts])
@@ -434,7 +434,8 @@ def test_search_chunks_are_whole_definitions_and_lines():
 def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
     """A function's own text finds it first, at cosine 1, printed as path:first-last with its first
     lines (binary files skipped), and first too fused with BM25 (--hybrid). A second call embeds
-    nothing; an edited file alone is embedded again; another checkpoint's index is refused."""
+    nothing; an edited file alone is embedded again, a deleted one leaves the index; another
+    checkpoint's index is refused."""
     rng, texts = random.Random(2), []
     for i in range(4):   # three functions a file, at lines 1-2, 4-5 and 7-8
         names = [rng.sample(PAIR_WORDS, 2) for _ in range(3)]
@@ -469,6 +470,11 @@ def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
     (tmp_path / 'docs/d2.py').write_text(texts[2] + '\n\ndef extra():\n    pass\n')
     out, n = search('anything')
     assert n == 4 and '13 chunks in 4 files (4 embedded now)' in out
+    (tmp_path / 'docs/d0.py').unlink()                 # a deleted file leaves the index
+    (tmp_path / 'docs/d3.py').write_text(texts[0])
+    assert search('anything')[1] == 3
+    kept = torch.load(tmp_path / 'i.pt', weights_only=True)['files']
+    assert {os.path.basename(f) for f in kept} == {'d1.py', 'd2.py', 'd3.py', 'more.txt'}
     refused(capsys, 'retrieve', ['search', f'--ckpt={corpus.llama}', docs, index,
                                  '--query=x'], 'another checkpoint')
 
