@@ -1,12 +1,13 @@
 """The command line and the boundaries: presets and flags, --help, and the refusal table: every
 mistake users make exits with status 2 and one `error:` line naming the culprit, no traceback,
 every file left as it was."""
-import os, re, subprocess, sys
+import os, re, shlex, subprocess, sys
+from pathlib import Path
 
 import pytest
 import torch
 
-import configurator, prepare, train
+import bench, configurator, prepare, retrieve, sample, train
 from tests.conftest import HERE, BENCH_TINY, TINY, ENV, run_main, refused, make_ckpt
 
 
@@ -241,3 +242,55 @@ def test_run_from_the_shell_exits_2_without_traceback(argv, says, tmp_path):
     r = subprocess.run([sys.executable, os.path.join(HERE, argv[0]), *argv[1:]], cwd=tmp_path,
                        capture_output=True, text=True, env=ENV)
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and r.stderr.startswith(says), r
+
+
+def doc_commands(*docs):
+    """(doc, script, argv) of every `python SCRIPT.py ...` in the code of these docs: fenced
+    blocks and `inline` spans (but those of *historical* paragraphs), continued lines joined, cut
+    at shell operators and comments; an [--option] is taken."""
+    found = []
+    for doc in docs:
+        text = Path(HERE, doc).read_text()
+        prose = [p for p in re.split(r'\n\n', re.sub(r'```.*?```', '', text, flags=re.S))
+                 if '*historical*' not in p]  # a record of commands the scripts no longer have
+        code = re.findall(r'```\w*\n(.*?)```', text, re.S) + [  # an inline span may wrap
+            span.replace('\n', ' ') for p in prose for span in re.findall(r'`([^`]+)`', p)]
+        for block in code:
+            for line in re.sub(r'\\\n', ' ', block).splitlines():
+                for part in re.split(r' && | \| |; | > | &\s*$', line):  # sh -c '...': its quote
+                    m = re.search(r'(?:python|torchrun)\S* (?:--\S+ )*(\w+)\.py\b(.*)', part)
+                    if m:
+                        words = shlex.split(m[2].rstrip("' "), comments=True)
+                        found.append((doc, m[1], [w.strip('[]') for w in words]))  # [--option]
+    return found
+
+
+DOC_COMMANDS = doc_commands('README.md', 'doc/usage.md', 'doc/models.md', 'doc/measurements.md')
+
+
+@pytest.mark.parametrize('doc,script,argv', DOC_COMMANDS,
+                         ids=[f'{d}:{s} {" ".join(a)[:40]}' for d, s, a in DOC_COMMANDS])
+def test_documented_commands_parse(doc, script, argv, monkeypatch, tmp_path):
+    """Every command README.md and the guides give is read by its script as written: known keys,
+    values of their type, existing presets (nothing runs; placeholders in capitals are skipped)."""
+    assert len(DOC_COMMANDS) > 80, "the scan lost the docs' commands (93 when this was written)"
+    if script == 'SCRIPT' or any(re.fullmatch(r'[A-Z]+', w.partition('=')[2] or w)
+                                 for w in argv):
+        pytest.skip('a template (MODE, N, ...)')
+    monkeypatch.chdir(tmp_path)  # where the checks of output folders look; config/ stays found
+    os.symlink(Path(HERE, 'config'), 'config')
+    if script == 'train':
+        configurator.parse_args(argv, train.DEFAULTS, '', train.CHOICES)
+    elif script == 'sample':
+        sample.sample_args(argv)
+    elif script == 'prepare':
+        prepare.prepare_args(argv)
+    elif script == 'retrieve':  # its command line, then a command that does nothing
+        commands = {k: (lambda cfg: 0, *v[1:]) for k, v in retrieve.COMMANDS.items()}
+        monkeypatch.setattr(retrieve, 'COMMANDS', commands)
+        assert retrieve.run(argv) == 0
+    elif argv[:1] == ['race']:  # all but its check of prepared data
+        monkeypatch.setattr(bench, 'load_meta', lambda data_dir: None)
+        bench.race_cells(argv)
+    else:
+        bench.settings(argv)
