@@ -327,7 +327,9 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
                    step=step, train_loss=train_loss, val_loss=val_loss, tokens_seen=tokens_seen,
                    time=round(train_time, 3))
             improved, best_val = val_loss < best_val, min(best_val, val_loss)
-            if master and step > 0:  # all the next step depends on: batches are keyed by step
+            # all the next step depends on (restored above): no RNG state, as the only draws are
+            # the batches', keyed by step (batch_rng); step and train_time also set the lr
+            if master and step > 0:
                 ckpt = {**ckpt_extra, 'step': step, 'tokens_seen': tokens_seen,
                         'train_time': train_time, 'best_val': best_val, 'config': cfg,
                         'model': raw.state_dict(), 'optimizer': optimizer.state_dict(),
