@@ -486,7 +486,7 @@ RACE_DEFAULTS = dict(
 )
 RACE_TRAIN = dict(d_model=256, n_layers=4, n_ctx=256, batch_size=16, warmup_iters=50, eval_iters=4,
                   log_interval=10, max_iters=0)
-RACE_LR = {'mixer': 5e-3, 'gmlp': 5e-3}  # else 1.5e-3 (config/retrieval_*.py's CPU-sized rates)
+RACE_LR = {'mixer': 5e-3, 'gmlp': 5e-3}  # else 1.5e-3 (config/codesearch_*.py's CPU-sized rates)
 SAME_BATCHES = ('data_dir', 'n_ctx', 'batch_size', 'eval_iters', 'seed', 'batch_mode', 'padding',
                 'objective')
 

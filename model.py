@@ -381,8 +381,12 @@ def sample_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 
 
-def lm_loss(logits, targets):  # the mean over the positions whose target is not -1
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-1)
+def lm_loss(logits, targets):
+    """The mean over the positions whose target is not -1; 0 where there are none (objective half:
+    a batch, or a rank's rows, of short right-padded documents), not cross_entropy's 0/0 = NaN."""
+    loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-1,
+                           reduction='sum')
+    return loss / (targets != -1).sum().clamp(min=1)
 
 
 def objective_targets(objective, x, y, mask=None):

@@ -36,7 +36,7 @@ PAPER_N = 32           # --negatives=paper: a query, its target and 30 non-match
 
 EMBED = dict(  # Embedder's arguments, every command's
     device='auto',          # auto (cuda if present), cpu or cuda[:i]
-    dtype='auto',           # autocast; auto: bf16 where native, else fp32 (embed: the trained one)
+    dtype='auto',           # auto: train as train.py; embed as sample.py (CPU fp32, GPU trained)
     batch_size=32,          # texts per forward pass (train: queries per micro-batch)
     pool='',                # last: the state of a text's last token (the paper) | mean: the
                             # mean of its tokens' states; '': the checkpoint's (else last)
@@ -536,7 +536,7 @@ def search_index(embedder, files, path, key):
             todo[f] = sha, chunks_of(f, text, embedder.tok, embedder.n_ctx - 1)  # bos first
             lines = text.splitlines(keepends=True)
             texts += [''.join(lines[a - 1:b]) for a, b in todo[f][1]]
-    emb = embedder(texts) if texts else None                      # (chunks, d_model) unit rows
+    emb = embedder(texts)                                         # (chunks, d_model) unit rows
     for f, (sha, spans) in todo.items():
         rows, emb = emb[:len(spans)], emb[len(spans):]
         index['files'][os.path.abspath(f)] = sha, torch.tensor(spans).view(-1, 2), rows
@@ -549,8 +549,11 @@ def search_index(embedder, files, path, key):
 def cmd_search(cfg):
     """The chunks of --docs (functions, methods, runs of lines) nearest the query."""
     embedder = Embedder(cfg['ckpt'], **{k: cfg[k] for k in EMBED})
+    assert cfg['k'] >= 1 and cfg['show'] >= 0, "--k: 1 chunk or more; --show: 0 lines or more"
     files = {}   # path: text; each text file, and each UTF-8 file under each folder
     for path in cfg['docs'].split(','):
+        if not os.path.exists(path):
+            raise ValueError(f"--docs: {path} not found")
         for f in visible_files(path) if os.path.isdir(path) else [path]:  # hidden ones left out
             with contextlib.suppress(ValueError):                          # not UTF-8: binary
                 files[f] = read_text_file(f, 'document')
@@ -586,7 +589,8 @@ COMMANDS = {
                                     'query="parse an ISO date"')),
 }
 CHOICES = dict(negatives=('inbatch', 'paper'), pool=('', 'last', 'mean'),
-               dtype=train.CHOICES['dtype'], schedule=train.CHOICES['schedule'])
+               padding=('', 'right', 'left'), dtype=train.CHOICES['dtype'],
+               schedule=train.CHOICES['schedule'])
 
 
 def run(argv):
@@ -597,8 +601,12 @@ def run(argv):
     if argv[0] not in COMMANDS:
         raise ValueError(f"unknown subcommand {argv[0]!r}: use one of {', '.join(COMMANDS)}")
     command, defaults, required = COMMANDS[argv[0]]
-    cfg = parse_args(argv[1:], defaults, __doc__,
-                     {k: v for k, v in CHOICES.items() if k in defaults})
+    choices = {k: v for k, v in CHOICES.items() if k in defaults}
+    cfg = parse_args(argv[1:], defaults, __doc__, choices)
+    if cfg.get('init_from') == 'resume':  # the run's own keys are the defaults now; flags win
+        run = train.load_checkpoint(os.path.join(cfg['out_dir'], 'ckpt.pt'), "to resume, pass "
+                                    "the run's --out_dir")['config']
+        cfg = parse_args(argv[1:], {**defaults, **run, 'out_dir': cfg['out_dir']}, __doc__, choices)
     for example in required:
         if not cfg[example.split('=')[0]]:
             raise ValueError(f"retrieve.py {argv[0]} needs --{example} (see python retrieve.py "

@@ -236,6 +236,12 @@ def test_objective_targets():
     assert torch.equal(M.objective_targets('clm', x, y, mask), y)
     assert M.objective_targets('autoencoder', x, y, mask).tolist() == [[0, 1, 2, 3, 4, 5, -1, -1]]
     assert M.objective_targets('half', x, y, mask).tolist() == [[-1, -1, -1, -1, 4, 5, -1, -1]]
+    # a short document leaves half nothing to predict: its loss is 0, not 0/0, and trains nothing
+    short = M.objective_targets('half', x, y, torch.tensor([[True] * 3 + [False] * 5]))
+    logits = torch.randn(1, 8, 16, requires_grad=True)
+    loss = M.lm_loss(logits, short)
+    loss.backward()
+    assert loss.item() == 0 and not logits.grad.any()
 
 
 def test_expanded_mixer_below_one_loses_tokens():

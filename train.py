@@ -355,7 +355,7 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
                 loss = loss_fn(ddp, batch) * scale
             scaler.scale(loss).backward()
             loss_sum += loss.detach()  # summed over the ranks: world x the step's mean loss
-            tokens_seen += batch[0].numel() * runtime.world  # every rank's share is this size
+            tokens_seen += batch[0].numel() * runtime.world  # processed by the ranks, alike in size
         scaler.unscale_(optimizer)  # true gradients for their norm (a no-op unless fp16)
         grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg['grad_clip'] or math.inf)
         scaler.step(optimizer)
@@ -545,7 +545,8 @@ def train_lm(argv):
     meta = load_meta(cfg['data_dir'])
     mcfg = ModelConfig(vocab_size=meta['vocab_size'], **{k: cfg[k] for k in MODEL_KEYS})
     assert not resume or mcfg.vocab_size == resume['model_config']['vocab_size'], (
-        f"{cfg['data_dir']} is not the data {path} was trained on: drop --data_dir")
+        f"{cfg['data_dir']} is not the data {path} was trained on (prepared again since?): pass "
+        f"the run's --data_dir")
     get_batch = Batches(cfg, meta, cfg['data_dir'])
     runtime = Runtime(cfg, resume and resume['dtype'])
     check_run_dir(cfg['out_dir'], resume is None, cfg['overwrite'], os.path.isfile(path))

@@ -7,9 +7,9 @@ Table S6's caption says 0.005 instead: config/tinystories_llama_s6.py is the sam
 rate. The mixer preset uses §9.5's 5e-4: 2.5x this rate, where S6's caption would make it 0.1x.
 Batch: 32 per GPU, as the blog's DDP runs (32 samples on each of 4 GPUs, 128 per update).
 Data: python prepare.py tinystories --max_docs=2000000 (the paper's first 2M stories, 4096 BPE).
-Budget: torchrun --standalone --nproc_per_node=4 train.py config/tinystories_llama.py (one
-micro-batch per GPU); on one GPU the 4 micro-batches run in turn. The 3060 runs of Tables S1-S4
-were 12 h on one GPU (--max_time=43200)."""
+Budget: torchrun --standalone --nproc_per_node=4 train.py config/tinystories_llama.py (each GPU
+takes 8 rows of each of the 4 micro-batches); on one GPU they run in turn. The 3060 runs of
+Tables S1-S4 were 12 h on one GPU (--max_time=43200)."""
 data_dir = 'data/tinystories'
 out_dir = 'out/tinystories_llama'
 arch = 'llama'

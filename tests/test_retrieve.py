@@ -321,7 +321,7 @@ def test_indirect_trains_on_raw_hidden_states(corpus, capsys, tmp_path, monkeypa
 def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     """60 InfoNCE steps (mean-pooled, at another temperature) from an untrained LM beat chance 3x;
     the result is an ordinary model checkpoint that records its pooling, and --init_from=resume
-    continues it."""
+    continues it with the run's own keys (only --out_dir and the new budget given)."""
     data, mixer, out_dir = corpus.data, corpus.mixer, tmp_path / 'ret'
     common = [f'--data_dir={data}', f'--out_dir={out_dir}', '--batch_size=16', '--lr=2e-3',
               '--warmup_iters=2', '--eval_interval=20', '--eval_iters=3', '--dtype=float32']
@@ -342,9 +342,13 @@ def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     assert ckpt['init_from'] == os.path.abspath(mixer)
     assert ckpt['tokenizer'] == train.load_checkpoint(mixer)['tokenizer']  # it carries its own
     train.model_from_checkpoint(ckpt)                    # loads strictly: the model's own keys
-    assert run_main(capsys, 'retrieve', 'train', '--init_from=resume', '--max_iters=70',
-                    *common)[0] == 0
-    assert train.load_checkpoint(out_dir / 'ckpt.pt')['step'] == 70
+    code, out, err = run_main(capsys, 'retrieve', 'train', '--init_from=resume', '--max_iters=70',
+                              f'--out_dir={out_dir}')
+    assert code == 0, err
+    ckpt = train.load_checkpoint(out_dir / 'ckpt.pt')
+    assert ckpt['step'] == 70 and ckpt['pool'] == 'mean'
+    assert {k: ckpt['config'][k] for k in ('data_dir', 'batch_size', 'lr', 'tau', 'max_iters')} == \
+        dict(data_dir=str(data), batch_size=16, lr=2e-3, tau=0.05, max_iters=70)
 
 
 def test_retrieval_ddp_row_shards_equal_one_process(corpus, capsys, tmp_path):
@@ -475,6 +479,8 @@ def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
     assert search('anything')[1] == 3
     kept = torch.load(tmp_path / 'i.pt', weights_only=True)['files']
     assert {os.path.basename(f) for f in kept} == {'d1.py', 'd2.py', 'd3.py', 'more.txt'}
+    (tmp_path / 'docs/__init__.py').touch()            # new, but no chunk: nothing to embed
+    assert search('anything')[1] == 0
     refused(capsys, 'retrieve', ['search', f'--ckpt={corpus.llama}', docs, index,
                                  '--query=x'], 'another checkpoint')
 
