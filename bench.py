@@ -80,6 +80,9 @@ def settings(argv):
     if s['full']:  # parsed again so that argv's own values still win over the paper's
         full = {mode: dict(MODE_DEFAULTS.get(mode, {}), **FULL[mode]) for mode in FULL}
         s = parse_args(argv, DEFAULTS, __doc__, BENCH_CHOICES, 'mode', full)
+    if s['mode'] == 'race':  # given as --mode=race: race reads its own keys
+        raise ValueError("race takes its own keys: write it first, python bench.py race ...")
+    assert s['repeats'] >= 1, f"--repeats={s['repeats']}: use 1 or more"
     s = SimpleNamespace(**s)
     s.archs = s.archs.split(',')
     for key in ('n_layers', 'n_ctx', 'batch_size'):
@@ -743,7 +746,7 @@ def race_png(s, path, panels):
 
 def main(argv=None):
     """The measured rows (a list, for tests and notebooks), or run_main's exit status."""
-    return run_main(lambda: run(argv), "interrupted: --json holds the rows measured so far")
+    return run_main(lambda: run(argv), "interrupted: the rows printed (and --json's) are whole")
 
 
 if __name__ == '__main__':

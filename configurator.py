@@ -31,7 +31,8 @@ def parse_args(argv, defaults, doc, choices=None, positional=None, modes=None):
         cfg[key] = typed(key, value, defaults)
     for key, allowed in (choices or {}).items():
         if cfg.get(key) not in allowed:
-            raise ValueError(f"--{key}={cfg.get(key)!r} is not one of {', '.join(allowed)}")
+            raise ValueError(f"--{key}={cfg.get(key)!r} is not one of "
+                             f"{', '.join(a or repr(a) for a in allowed)}")
     return cfg
 
 

@@ -12,7 +12,8 @@ train.bin and val.bin (uint16/uint32 token ids, every document wrapped in BOS ..
 train_docs.npy and val_docs.npy (int64 start of each document), tokenizer.model, pairs_train.jsonl
 and pairs_val.jsonl ({"query", "target", "path"} per line) when the dataset has pairs,
 pairs_heldout.jsonl (the --holdout files' pairs, in no other output) and meta.json, last, with a
-fingerprint of the inputs and options: an unchanged rerun does nothing.
+fingerprint of the inputs and options: an unchanged rerun does nothing, a changed one needs
+--overwrite to replace the folder.
 """
 import ast, contextlib, fnmatch, functools, glob, hashlib, io, json, os, platform, re, shutil
 import socket, sys, sysconfig, textwrap, time
@@ -444,14 +445,15 @@ def encode(args, documents, total, tokenizer, dtype, pairs):
 
 # ----------------------------------------------------------------------------- main
 
-def up_to_date(out_dir, fingerprint):
-    """True when meta.json (written last) carries this fingerprint and its files are all there."""
+def prepared(out_dir):
+    """The fingerprint of the data in out_dir: meta.json's (written last), if its files are all
+    there; else None."""
     try:
         meta = json.loads(Path(out_dir, 'meta.json').read_text())
     except (OSError, ValueError):
-        return False
-    return meta.get('fingerprint') == fingerprint and all(
-        os.path.isfile(os.path.join(out_dir, name)) for name in meta['outputs'])
+        return None
+    whole = all(os.path.isfile(os.path.join(out_dir, name)) for name in meta['outputs'])
+    return meta.get('fingerprint') if whole else None
 
 
 def commit(out_dir, meta):
@@ -520,9 +522,13 @@ def prepare(args):
             'holdout')
     config = {k: getattr(args, k) for k in keys}
     fingerprint = hashlib.sha256(json.dumps([FORMAT, config, inputs]).encode()).hexdigest()
-    if up_to_date(args.out_dir, fingerprint):
+    held = prepared(args.out_dir)
+    if held == fingerprint:
         print(f'{args.out_dir} is up to date (same inputs and options): nothing to do')
         return
+    if held and not args.overwrite:  # runs trained on it could not resume on the new data
+        raise ValueError(f'{args.out_dir} holds data prepared from other inputs or options: '
+                         f'replace it with --overwrite, or pass another --out_dir')
     splits = set()
     for split, *_ in documents():  # downloads happen, empty inputs fail before any work; the
         splits.add(split)          # whole corpus is read only if a split stays empty (small ones)
@@ -556,6 +562,10 @@ def prepare(args):
               f'has that many, not --vocab_size={vocab}', file=sys.stderr)
 
     counts, n_files = encode(args, documents, total, tokenizer, dtype, pairs)
+    for s in SPLITS:  # the split by key fills both, or carve did; only --max_tokens stops early
+        if not counts[f'{s}_tokens']:
+            raise ValueError(f'--max_tokens={args.max_tokens} cut the corpus before its first {s} '
+                             f'document: raise it')
     if kind != 'tiktoken':
         spec['path'] = 'tokenizer.model'
     meta = {'dataset': args.dataset, 'vocab_size': tokenizer.vocab_size, 'tokenizer': spec,
@@ -583,6 +593,7 @@ DEFAULTS = dict(
     max_tokens=0,         # stop once the training split holds N tokens; 0 = no limit
     hub_url=os.environ.get('HF_ENDPOINT', 'https://huggingface.co').rstrip('/'),  # hub address
     download_dir=os.path.join('data', 'downloads'),  # hub files; put them here for an offline run
+    overwrite=False,      # replace data that out_dir holds, prepared from other inputs or options
 )
 
 
@@ -607,6 +618,9 @@ def prepare_args(argv):
     if args.holdout and not (args.pairs or DATASETS[args.dataset][3]):
         raise ValueError('--holdout keeps its files\' pairs as a test set: add --pairs=docstring '
                          '(or ict)')
+    for key in ('vocab_size', 'max_docs', 'max_tokens'):
+        if getattr(args, key) < 0:
+            raise ValueError(f'--{key}={getattr(args, key)}: use 0 (the default) or more')
     args.out_dir = args.out_dir or os.path.join('data', args.dataset)
     return args
 

@@ -525,7 +525,10 @@ def search_index(embedder, files, path, key):
     another's index is refused."""
     index = {'key': key, 'files': {}}
     if os.path.exists(path):
-        index = torch.load(path, weights_only=True)
+        try:
+            index = torch.load(path, weights_only=True)
+        except Exception as e:  # cut short, or another file
+            raise ValueError(f"the index {path} is damaged ({type(e).__name__}): delete it")
         if index.get('key') != key:
             raise ValueError(f"the index {path} was built by another checkpoint, or with other "
                              f"--pool/--padding: delete it, or pass another --index")
@@ -560,7 +563,9 @@ def cmd_search(cfg):
     with open(cfg['ckpt'], 'rb') as f:
         key = ' '.join([hashlib.file_digest(f, 'sha256').hexdigest(), embedder.encoder.pool,
                         embedder.encoder.padding])
-    found, embedded = search_index(embedder, files, cfg['index'] or cfg['ckpt'] + '.index', key)
+    index = cfg['index'] or cfg['ckpt'] + '.index'
+    check_output_file(index, 'index')  # before the embedding, which may take long
+    found, embedded = search_index(embedder, files, index, key)
     hits = [(f, span) for f, (_, spans, _) in found.items() for span in spans.tolist()]
     assert hits, f"no text in --docs={cfg['docs']}"
     emb = torch.cat([rows for _, _, rows in found.values()])     # (chunks, d_model) unit rows

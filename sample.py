@@ -39,6 +39,7 @@ def sample_args(argv):
     args = SimpleNamespace(**parse_args(argv, DEFAULTS, __doc__, choices))
     assert args.temperature >= 0, f'--temperature={args.temperature}: use 0 (greedy) or more'
     assert args.num_samples >= 1, f'--num_samples={args.num_samples}: use 1 or more'
+    assert args.max_new_tokens >= 0, f'--max_new_tokens={args.max_new_tokens}: use 0 or more'
     assert args.top_k >= 0, f'--top_k={args.top_k}: use 0 (keep all) or more'
     assert 0 < args.top_p <= 1, f'--top_p={args.top_p}: use a mass in (0, 1] (1 = off)'
     assert not (args.compile and args.method == 'window'), '--compile compiles the cached step: ' \

@@ -71,7 +71,7 @@ def check_loop(cfg, resume=None):
     lows = dict(batch_size=1, grad_accum=1, eval_iters=1, eval_interval=1, log_interval=1,
                 max_iters=0, max_time=0, eval_seconds=0, grad_clip=0, seed=0)
     for key, low in lows.items():
-        if cfg[key] < low:
+        if not cfg[key] >= low:  # (nan too)
             raise ValueError(f"--{key}={cfg[key]}: use {low} or more")
     if not (cfg['max_iters'] or cfg['max_time']):
         raise ValueError("no budget: set --max_iters and/or --max_time (s)")
@@ -544,9 +544,9 @@ def train_lm(argv):
     check_loop(cfg, resume)
     meta = load_meta(cfg['data_dir'])
     mcfg = ModelConfig(vocab_size=meta['vocab_size'], **{k: cfg[k] for k in MODEL_KEYS})
-    assert not resume or mcfg.vocab_size == resume['model_config']['vocab_size'], (
-        f"{cfg['data_dir']} is not the data {path} was trained on (prepared again since?): pass "
-        f"the run's --data_dir")
+    if resume and meta.get('fingerprint') != resume['data']['meta'].get('fingerprint'):
+        raise ValueError(f"{cfg['data_dir']} is not the data {path} was trained on (prepared "
+                         f"again since?): pass the run's --data_dir, or train afresh")
     get_batch = Batches(cfg, meta, cfg['data_dir'])
     runtime = Runtime(cfg, resume and resume['dtype'])
     check_run_dir(cfg['out_dir'], resume is None, cfg['overwrite'], os.path.isfile(path))

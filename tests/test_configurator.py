@@ -104,6 +104,11 @@ REFUSALS = [
     ('sample', [*SAMPLE, '--method=beam'], 'beam'),
     ('sample', [*SAMPLE, '--device=gpu0'], 'gpu0'),
     ('sample', [*SAMPLE, '--compile', '--method=window'], 'compile'),
+    ('sample', [*SAMPLE, '--max_new_tokens=-1'], 'max_new_tokens'),
+    ('train', [*TRAIN, '--max_time=nan'], 'max_time'),
+    ('prepare', ['pystdlib', '--max_tokens=-1', OUT], 'max_tokens'),
+    ('bench', ['--mode=race'], 'race'), ('bench', ['throughput', '--repeats=0'], 'repeats'),
+    ('retrieve', [*EVAL, '--pool=max'], "'', last, mean"),
     ('retrieve', [*EVAL, '--padding=lfet'], 'lfet'),
     ('retrieve', ['search', '--ckpt={mixer}', '--docs={pairs}', '--query=x', '--k=0'], '--k'),
     ('prepare', ['wikipedia', OUT], 'wikipedia'),
@@ -153,6 +158,9 @@ REFUSALS = [
     ('prepare', ['text', '--input={tmp}/blank.txt', OUT], 'empty'),
     ('prepare', ['pystdlib', '--tokenizer=missing.model', OUT], 'missing.model'),
     ('prepare', ['pystdlib', '--tokenizer={tmp}/blank.txt', OUT], 'blank.txt'),
+    ('prepare', ['text', '--input={tmp}/many', '--max_tokens=10', OUT], 'max_tokens'),
+    ('retrieve', ['search', '--ckpt={mixer}', '--docs={tmp}/ascii.txt', '--query=x',
+                  '--index={tmp}/file'], 'damaged'),
     ('retrieve', ['eval', '--ckpt={mixer}', '--pairs={tmp}/none.jsonl'], 'none.jsonl'),
     ('retrieve', ['eval', '--ckpt={mixer}', '--pairs={tmp}/bad.jsonl'], 'bad.jsonl:3'),
     ('retrieve', ['eval', '--ckpt={mixer}', '--pairs={tmp}/latin1.jsonl'], 'latin1.jsonl'),
@@ -200,6 +208,9 @@ def scratch(tmp_path, data_dir):
         (tmp_path / name).parent.mkdir(exist_ok=True, parents=True)
         (tmp_path / name).write_bytes(content)
     (tmp_path / 'empty').mkdir()
+    (tmp_path / 'many').mkdir()  # 20 files the split by key sends to train: val is the last 2
+    for i in range(20):
+        (tmp_path / f'many/{i:02}.txt').write_bytes(bytes(range(33, 127)) * (i + 1))
     (tmp_path / 'cut').mkdir()
     torch.save({'model': {'w': torch.zeros(1000)}}, tmp_path / 'cut/ckpt.pt')
     os.truncate(tmp_path / 'cut/ckpt.pt', 1000)  # as a kill -9 during a save leaves it

@@ -274,7 +274,8 @@ def test_hub_unreachable_says_what_to_download(tmp_path, hub):
 @pytest.mark.parametrize('n_files', [1, 12])
 def test_small_corpus_gets_a_val_split(n_files, tmp_path, capsys):
     """Even one file prepares into a train and a val split that train.py can use, announcing that it
-    yields fewer pieces than --vocab_size; a corpus too small is refused."""
+    yields fewer pieces than --vocab_size; other inputs replace it only with --overwrite; a corpus
+    too small is refused."""
     (tmp_path / 'src').mkdir()
     for i in range(n_files):
         code = ''.join(f"def f{i}_{j}(x):\n    return x + {j}\n\n" for j in range(40))
@@ -291,7 +292,8 @@ def test_small_corpus_gets_a_val_split(n_files, tmp_path, capsys):
                      '--eval_interval=2') == 0
     (tmp_path / 'src/tiny.txt').write_text('x')
     argv = ['text', f'--input={tmp_path}/src/tiny.txt', f'--out_dir={tmp_path}/data']
-    refused(capsys, 'prepare', argv, 'too small', keep=[tmp_path / 'data'])
+    refused(capsys, 'prepare', argv, '--overwrite', keep=[tmp_path / 'data'])  # other inputs
+    refused(capsys, 'prepare', [*argv, '--overwrite'], 'too small', keep=[tmp_path / 'data'])
 
 
 def test_a_failed_prepare_leaves_no_temporary_files(tmp_path, capsys):

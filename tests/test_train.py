@@ -1,5 +1,5 @@
 """train.py: the loop, DDP == one process, kill -9 + resume, the dtype rule, presets, refusals."""
-import ast, os, re, resource, shutil, subprocess, sys, time, types
+import ast, json, os, re, resource, shutil, subprocess, sys, time, types
 
 import numpy as np
 import pytest
@@ -303,9 +303,10 @@ def test_resume_and_fresh_runs_name_the_way_out(data, tmp_path, monkeypatch, cap
     assert weights(tmp_path, 'best.pt')['step'] == 2
 
 
-def test_resume_takes_the_run_from_its_checkpoint(data, tmp_path):
+def test_resume_takes_the_run_from_its_checkpoint(data, tmp_path, capsys):
     """--init_from=resume and the folder continue a run of any preset: model, data and loop keys
-    come from the checkpoint, a flag given here wins (even one set to train.py's default)."""
+    come from the checkpoint, a flag given here wins (even one set to train.py's default); data
+    prepared again since is refused."""
     assert train_run(data, tmp_path, '--arch=gpt', '--max_iters=4', '--eval_interval=4',
                      '--warmup_iters=2') == 0
     assert train.main([f'--out_dir={tmp_path}', '--init_from=resume', '--max_iters=6',
@@ -314,6 +315,11 @@ def test_resume_takes_the_run_from_its_checkpoint(data, tmp_path):
     assert ckpt['step'] == 6 and ckpt['model_config']['arch'] == 'gpt'
     assert ckpt['config']['warmup_iters'] == train.DEFAULTS['warmup_iters']
     assert ckpt['config']['d_model'] == 32 and ckpt['config']['lr'] == 1e-2   # TINY's, not defaults
+    shutil.copytree(data, tmp_path / 'again')  # the same tokens, but as if prepared anew
+    meta = json.loads((tmp_path / 'again/meta.json').read_text())
+    (tmp_path / 'again/meta.json').write_text(json.dumps({**meta, 'fingerprint': 'other'}))
+    refused(capsys, 'train', [f'--out_dir={tmp_path}', '--init_from=resume', '--max_iters=8',
+                              f'--data_dir={tmp_path}/again'], 'prepared again')
 
 
 def test_a_failed_save_is_one_line_and_keeps_the_last_checkpoint(data, tmp_path):
