@@ -285,7 +285,7 @@ def hub_documents(args, val_share):
     return documents, [repo, files], None, source
 
 
-# ------------------------------------------------- retrieval pairs (and retrieve.py search's spans)
+# ------------------------------------------------- retrieval pairs, and retrieve.py search's chunks
 
 def docstring_pairs(source):
     """(its docstring's first paragraph, its source without docstrings) per documented def/class."""
@@ -330,6 +330,25 @@ def python_spans(source, n_lines):
     claim(tree.body)
     starts = [i for i in range(1, n_lines + 1) if i == 1 or owner[i] != owner[i - 1]]
     return list(zip(starts, [i - 1 for i in starts[1:]] + [n_lines]))
+
+
+def chunks_of(path, text, tok, budget):
+    """A file's chunks as (first, last) line spans, 1-based, never a partial line: for Python the
+    spans of python_spans, for other text the whole file, each cut at line boundaries into pieces
+    of at most `budget` tokens (a longer single line stays whole); blank pieces are dropped."""
+    lines = text.splitlines(keepends=True)
+    spans = (python_spans(text, len(lines)) if path.endswith('.py') else None) or [(1, len(lines))]
+    sizes = [len(ids) for ids in tok.encode_batch(lines)] if lines else []
+    chunks = []
+    for first, last in spans:
+        start, used = first, 0
+        for i in range(first, last + 1):
+            if used and used + sizes[i - 1] > budget:
+                chunks.append((start, i - 1))
+                start, used = i, 0
+            used += sizes[i - 1]
+        chunks.append((start, last))
+    return [(a, b) for a, b in chunks if ''.join(lines[a - 1:b]).strip()]
 
 
 def ict_pairs(text, key, size=6):

@@ -26,7 +26,7 @@ import train
 from model import RetrievalMixer
 from configurator import (check_output_file, int_list, parse_args, read_text_file, run_main,
                           write_atomic)
-from prepare import Tokenizer, python_spans, read_pairs, visible_files
+from prepare import Tokenizer, chunks_of, read_pairs, visible_files
 
 TAU = 0.02             # InfoNCE temperature (eq. 8)
 PAPER_N = 32           # --negatives=paper: a query, its target and 30 non-matching ones (§6.3)
@@ -497,25 +497,6 @@ def cmd_indirect(cfg):
 
 
 # ----------------------------------------------------------------------------- search
-
-def chunks_of(path, text, tok, budget):
-    """A file's chunks as (first, last) line spans, 1-based, never a partial line: for Python the
-    spans of python_spans, for other text the whole file, each cut at line boundaries into pieces
-    of at most `budget` tokens (a longer single line stays whole); blank pieces are dropped."""
-    lines = text.splitlines(keepends=True)
-    spans = (python_spans(text, len(lines)) if path.endswith('.py') else None) or [(1, len(lines))]
-    sizes = [len(ids) for ids in tok.encode_batch(lines)] if lines else []
-    chunks = []
-    for first, last in spans:
-        start, used = first, 0
-        for i in range(first, last + 1):
-            if used and used + sizes[i - 1] > budget:
-                chunks.append((start, i - 1))
-                start, used = i, 0
-            used += sizes[i - 1]
-        chunks.append((start, last))
-    return [(a, b) for a, b in chunks if ''.join(lines[a - 1:b]).strip()]
-
 
 def search_index(embedder, files, path, key):
     """The chunks of `files` ({path: text}) and their embeddings, kept in the index file `path` from

@@ -414,3 +414,50 @@ def hub_cli(tmp_path, *argv, env=None):
     return subprocess.run([sys.executable, os.path.join(HERE, 'prepare.py'), *argv,
                            f'--download_dir={tmp_path}/downloads', '--vocab_size=400'],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+
+
+SOURCE = """import os
+
+X = 1
+
+
+@decorator
+def f(a):
+    \"\"\"Doc.\"\"\"
+    return a
+
+
+class C:
+    \"\"\"A class.\"\"\"
+    y = 2
+
+    def m(self):
+        return 1
+
+    async def n(self):
+        def inner():
+            pass
+        return inner
+"""
+
+
+class Words:
+    """A tokenizer stand-in for chunks_of: a line costs one token per word, and one if blank."""
+    @staticmethod
+    def encode_batch(lines):
+        return [line.split() or [''] for line in lines]
+
+
+def test_search_chunks_are_whole_definitions_and_lines():
+    """Python: each function and method with its decorators, a class without its methods, the
+    module's lines between them (blank runs dropped); a long one, and other text, cut into runs of
+    whole lines of at most `budget` tokens (a longer line alone)."""
+    assert prepare.chunks_of('a.py', SOURCE, Words, 100) == [
+        (1, 5), (6, 9), (12, 15), (16, 17), (19, 22)]
+    # lines 1-5 cost 2 1 3 1 1 tokens, 6-9 1 2 1 2, 12-15 2 2 3 1, 16-17 2 2, 19-22 3 2 1 2
+    assert prepare.chunks_of('a.py', SOURCE, Words, 4) == [
+        (1, 2), (3, 4), (6, 8), (9, 9), (12, 13), (14, 15), (16, 17), (19, 19), (20, 21),
+        (22, 22)]
+    text = 'one two\nthree four five six seven\n\nsix\n'
+    assert prepare.chunks_of('notes.txt', text, Words, 3) == [(1, 1), (2, 2), (3, 4)]
+    assert prepare.chunks_of('bad.py', 'def (\n  x\n', Words, 3) == [(1, 2)]  # no parse: lines

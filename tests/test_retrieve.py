@@ -10,8 +10,7 @@ import torch.nn.functional as F
 import model as M, prepare, retrieve, train
 from prepare import Tokenizer
 from tests.conftest import (V, name, tiny, make, records, weights, run_main, refused,
-                            without_paths, torchrun, PAIR_WORDS, pair_texts, write_pairs,
-                            tokenizer)
+                            torchrun, PAIR_WORDS, pair_texts, write_pairs, tokenizer)
 
 
 def test_info_nce_is_eq7():
@@ -386,53 +385,6 @@ def test_train_updates_only_what_embeddings_use(corpus, capsys, tmp_path):
         else:
             assert after['config']['negatives'] == 'paper' and 'backbone.wte.weight' in changed
             assert 'lm_head.weight' in before and 'lm_head.weight' not in changed
-
-
-SOURCE = """import os
-
-X = 1
-
-
-@decorator
-def f(a):
-    \"\"\"Doc.\"\"\"
-    return a
-
-
-class C:
-    \"\"\"A class.\"\"\"
-    y = 2
-
-    def m(self):
-        return 1
-
-    async def n(self):
-        def inner():
-            pass
-        return inner
-"""
-
-
-class Words:
-    """A tokenizer stand-in for chunks_of: a line costs one token per word, and one if blank."""
-    @staticmethod
-    def encode_batch(lines):
-        return [line.split() or [''] for line in lines]
-
-
-def test_search_chunks_are_whole_definitions_and_lines():
-    """Python: each function and method with its decorators, a class without its methods, the
-    module's lines between them (blank runs dropped); a long one, and other text, cut into runs of
-    whole lines of at most `budget` tokens (a longer line alone)."""
-    assert retrieve.chunks_of('a.py', SOURCE, Words, 100) == [
-        (1, 5), (6, 9), (12, 15), (16, 17), (19, 22)]
-    # lines 1-5 cost 2 1 3 1 1 tokens, 6-9 1 2 1 2, 12-15 2 2 3 1, 16-17 2 2, 19-22 3 2 1 2
-    assert retrieve.chunks_of('a.py', SOURCE, Words, 4) == [
-        (1, 2), (3, 4), (6, 8), (9, 9), (12, 13), (14, 15), (16, 17), (19, 19), (20, 21),
-        (22, 22)]
-    text = 'one two\nthree four five six seven\n\nsix\n'
-    assert retrieve.chunks_of('notes.txt', text, Words, 3) == [(1, 1), (2, 2), (3, 4)]
-    assert retrieve.chunks_of('bad.py', 'def (\n  x\n', Words, 3) == [(1, 2)]  # no parse: lines
 
 
 def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
