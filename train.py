@@ -412,9 +412,10 @@ def load_checkpoint(path, way_out='train one with train.py, or pass its path'):
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
         assert isinstance(ckpt, dict) and {'kind', 'model'} <= ckpt.keys(), "no 'kind'/'model'"
     except Exception as e:  # truncated zip, wrong file, pickled classes: all the same to the user
-        why = (str(e).strip().splitlines() or [''])[0][:160]
-        raise ValueError(f"{path} is not a readable nanomixer checkpoint "
-                         f"({type(e).__name__}: {why})") from None
+        why = (str(e).strip().splitlines() or [''])[0][:120]
+        raise ValueError(f"{path} is not a readable nanomixer checkpoint ({type(e).__name__}: "
+                         f"{why}): cut short, or another file; pass another (a run keeps ckpt.pt "
+                         f"and best.pt)") from None
     return ckpt
 
 
@@ -448,7 +449,8 @@ def load_meta(data_dir):
         name = os.path.basename(os.path.normpath(data_dir))  # a preset's data/NAME: dataset NAME
         dataset = name if name in DATASETS else 'DATASET'
         raise ValueError(f"no prepared data at {data_dir}: run python prepare.py {dataset} "
-                         f"--out_dir={data_dir} (a preset's docstring gives its options)")
+                         f"--out_dir={data_dir} (a preset's docstring gives its options), or "
+                         f"pass --data_dir where it moved")
     try:
         return json.loads(Path(path).read_text())
     except ValueError as e:
