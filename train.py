@@ -174,7 +174,7 @@ def rank_batches(get_batch, step, grad_accum, rank, world, real_targets=None):
         share_x_world = 1.0  # full rows: share = 1/world, and 1.0 keeps the loss exact
         if world > 1 and real_targets:  # a rank can draw the whole micro-batch: no collective
             whole = real_targets(get_batch('train', step, micro))
-            share_x_world = world * real_targets(batch) / whole
+            share_x_world = world * real_targets(batch) / max(whole, 1)  # none: lm_loss is 0
         yield batch, share_x_world / grad_accum
 
 
