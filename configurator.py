@@ -52,7 +52,7 @@ def typed(key, value, defaults):
             value = BOOLS[value.lower()] if kind is bool else kind(value)
     if type(value) is not kind:
         like = 'true, false or auto' if default is None else repr(default)
-        raise ValueError(f"--{key}={value!r} is not a {kind.__name__} like {like}")
+        raise ValueError(f"--{key}={value!r} is not of {kind.__name__} type, like {like}")
     return value
 
 

@@ -1,4 +1,4 @@
-"""
+r"""
 Prepare a corpus for nanomixer: token streams, document offsets, a tokenizer and retrieval pairs.
 
     python prepare.py                                 # this interpreter's standard library, offline
