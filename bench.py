@@ -480,7 +480,7 @@ def run(argv):
 
 RACE_DEFAULTS = dict(
     mode='race',
-    archs='mixer,llama',    # comma list of archs, each trained once
+    archs='mixer,llama',    # comma list of model archs
     max_time=420.0,         # seconds of training per arch, evaluation excluded
     eval_seconds=0.0,       # evaluate every this many seconds of training (0: max_time / 8)
     out_dir='out/race',

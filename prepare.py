@@ -439,7 +439,9 @@ def encode(args, documents, total, tokenizer, dtype, pairs):
         bar = stack.enter_context(tqdm(desc='encoding', total=total, unit='B', unit_scale=True))
         for (split, key, text), ids in encoded():
             if split == 'train' and args.max_tokens and tokens['train'] >= args.max_tokens:
-                break
+                if args.dataset in HUB:  # as --max_docs: a hub stream stops, a local one goes on
+                    break
+                continue
             file = key.split('#')[0]  # pairs record it: grep '"path": "pkg/' picks a package
             for query, target in document_pairs(pairs, key, text):
                 row = {'query': query, 'target': target, 'path': file}
@@ -525,12 +527,14 @@ def prepare(args):
     read, inputs, total, source = reader(args, val_share)
     check_out_dir(args.out_dir)
 
-    def documents():  # the stream, cut after --max_docs training documents
-        n_train = 0
+    def documents():  # the first --max_docs training documents; a local corpus's val and held-out
+        n_train = 0   # ones all, a hub stream's those before the cut (it stops there: no download)
         for doc in read():
             n_train += doc[0] == 'train'
-            if args.max_docs and n_train > args.max_docs:
-                return
+            if args.max_docs and n_train > args.max_docs and doc[0] == 'train':
+                if args.dataset in HUB:
+                    return
+                continue
             yield doc
     if tok.endswith('.model') and not os.path.isfile(tok):
         raise ValueError(f'--tokenizer file {tok} does not exist')

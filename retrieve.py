@@ -66,7 +66,7 @@ INDIRECT = dict(
     lr=1e-3,                # paper: 1e-4 at batch 512 for many epochs; 1e-3 learns in CPU runs
     max_iters=500,
     normalize=False,        # False: raw hidden states, as the author's code; True: unit rows x √d
-    json='',                # also write {"c": {"32": {"loss": .., "top1": ..}, ..}} here
+    json='',                # also write the results to this JSON file (doc/usage.md: keys)
 )
 EVAL = dict(
     EMBED,
@@ -536,10 +536,11 @@ def cmd_search(cfg):
     assert cfg['k'] >= 1 and cfg['show'] >= 0, "--k: 1 chunk or more; --show: 0 lines or more"
     files = {}   # path: text; each text file, and each UTF-8 file under each folder
     for path in cfg['docs'].split(','):
-        if not os.path.exists(path):
-            raise ValueError(f"--docs: {path} not found")
-        for f in visible_files(path) if os.path.isdir(path) else [path]:  # hidden ones left out
-            with contextlib.suppress(ValueError):                          # not UTF-8: binary
+        if not os.path.isdir(path):  # named: missing or not UTF-8 is an error
+            files[path] = read_text_file(path, '--docs file')
+            continue
+        for f in visible_files(path):  # hidden ones left out
+            with contextlib.suppress(ValueError):  # not UTF-8: binary, skipped
                 files[f] = read_text_file(f, 'document')
     with open(cfg['ckpt'], 'rb') as f:
         key = ' '.join([hashlib.file_digest(f, 'sha256').hexdigest(), embedder.encoder.pool,

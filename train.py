@@ -553,6 +553,9 @@ def train_lm(argv):
     runtime = Runtime(cfg, resume and resume['dtype'])
     check_run_dir(cfg['out_dir'], resume is None, cfg['overwrite'], os.path.isfile(path))
     model = build_model(mcfg)
+    if runtime.master and not mcfg.causal:  # allowed for encoders (retrieve.py train --init_from)
+        print("warning: causal=False: position t reads token t + 1, the one it predicts, so the "
+              "loss measures copying, not language modelling", file=sys.stderr)
     if runtime.master:
         print(f"{mcfg.arch} {mcfg.objective}: "
               f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "

@@ -158,7 +158,6 @@ REFUSALS = [
     ('prepare', ['text', '--input={tmp}/blank.txt', OUT], 'empty'),
     ('prepare', ['pystdlib', '--tokenizer=missing.model', OUT], 'missing.model'),
     ('prepare', ['pystdlib', '--tokenizer={tmp}/blank.txt', OUT], 'blank.txt'),
-    ('prepare', ['text', '--input={tmp}/many', '--max_tokens=10', OUT], 'max_tokens'),
     ('retrieve', ['search', '--ckpt={mixer}', '--docs={tmp}/ascii.txt', '--query=x',
                   '--index={tmp}/file'], 'damaged'),
     ('retrieve', ['eval', '--ckpt={mixer}', '--pairs={tmp}/none.jsonl'], 'none.jsonl'),
@@ -170,6 +169,7 @@ REFUSALS = [
     ('retrieve', ['eval', '--ckpt={tmp}/indirect.pt', '--pairs={pairs}/pairs_val.jsonl'],
      'indirect'),
     ('retrieve', ['search', '--ckpt={mixer}', '--docs={tmp}/missing', '--query=x'], 'missing'),
+    ('retrieve', ['search', '--ckpt={mixer}', '--docs={tmp}/latin1.txt', '--query=x'], 'UTF-8'),
     ('bench', ['race', '--data_dir={tmp}/nope'], '{tmp}/nope'),
     ('bench', ['represent', '--ckpt={tmp}/nope.pt'], 'nope.pt'),
     ('bench', ['represent', '--ckpt={trained}/ckpt.pt', '--data_dir={tmp}'], '{tmp}'),
@@ -208,9 +208,6 @@ def scratch(tmp_path, data_dir):
         (tmp_path / name).parent.mkdir(exist_ok=True, parents=True)
         (tmp_path / name).write_bytes(content)
     (tmp_path / 'empty').mkdir()
-    (tmp_path / 'many').mkdir()  # 20 files the split by key sends to train: val is the last 2
-    for i in range(20):
-        (tmp_path / f'many/{i:02}.txt').write_bytes(bytes(range(33, 127)) * (i + 1))
     (tmp_path / 'cut').mkdir()
     torch.save({'model': {'w': torch.zeros(1000)}}, tmp_path / 'cut/ckpt.pt')
     os.truncate(tmp_path / 'cut/ckpt.pt', 1000)  # as a kill -9 during a save leaves it

@@ -22,7 +22,7 @@ def test_pystdlib_subset_agrees_with_meta_and_splits_by_module(stdlib_dir, capsy
     assert meta['source']['files'] == meta['train_docs'] + meta['val_docs']
     root, files = prepare.stdlib_files()
     assert not {'test', 'tests', 'site-packages'} & {p for f in files for p in f.split('/')[:-1]}
-    sources = {open(os.path.join(root, f), encoding='utf-8').read(): f for f in files[:400]}
+    sources = {open(os.path.join(root, f), encoding='utf-8').read(): f for f in files}
     assert all(prepare.split_of(sources[d], 0.05) == s for s in docs for d in docs[s])
     # no val module's code among the train targets (a few small helpers exist verbatim in two
     # modules, e.g. asyncio's write_eof, so compare against what train modules hold)
@@ -182,22 +182,28 @@ def test_text_dataset_pairs(tmp_path, stdlib_dir, capsys):
 def test_exclude_and_holdout(tmp_path, stdlib_dir, capsys):
     """--exclude leaves a matching folder out of every output; a --holdout package is in no token
     stream and no train or val pair, and its pairs are pairs_heldout.jsonl; a glob that matches
-    nothing is refused (a typo would otherwise train on the package meant for testing)."""
-    for pkg in ('keep', 'keep/tests', 'held'):
+    nothing is refused (a typo would otherwise train on the package meant for testing); --max_docs
+    and --max_tokens cut the training documents, not the held-out ones that come after them."""
+    for pkg in ('keep', 'keep/tests', 'zheld'):
         (tmp_path / 'site' / pkg).mkdir(parents=True)
         for i in range(6):
             code = FIXTURE_PY.replace('Stack', f"Stack{pkg.replace('/', '_')}{i}")
             (tmp_path / 'site' / pkg / f'm{i}.py').write_text(code)
     args = ['text', f'--input={tmp_path}/site', '--pairs=docstring', '--exclude=tests',
             f'--tokenizer={stdlib_dir}/tokenizer.model', f'--out_dir={tmp_path}/d']
-    assert prepare.main(args + ['--holdout=hel*']) == 0
+    assert prepare.main(args + ['--holdout=zhel*']) == 0
     meta, docs, pairs = read_folder(tmp_path / 'd')
     seen = json.dumps([docs, pairs])
-    assert 'Stackkeep0' in seen and 'Stackkeep_tests' not in seen and 'Stackheld' not in seen
+    assert 'Stackkeep0' in seen and 'Stackkeep_tests' not in seen and 'Stackzheld' not in seen
     held = [json.loads(line) for line in open(tmp_path / 'd/pairs_heldout.jsonl')]
     assert sorted((p['query'], p['target']) for p in held) == sorted(
-        p for i in range(6) for p in docstring_pairs(FIXTURE_PY.replace('Stack', f'Stackheld{i}')))
+        p for i in range(6) for p in docstring_pairs(FIXTURE_PY.replace('Stack', f'Stackzheld{i}')))
     assert meta['n_pairs_heldout'] == len(held)
+    for cap in ('--max_docs=2', '--max_tokens=10'):
+        capped = [*args[:-1], f'--out_dir={tmp_path}/{cap[6:9]}', '--holdout=zhel*', cap]
+        assert prepare.main(capped) == 0
+        meta = read_folder(tmp_path / cap[6:9])[0]
+        assert meta['n_pairs_heldout'] == len(held) and meta['train_docs'] < 6, (cap, meta)
     refused(capsys, 'prepare', args + ['--holdout=helt'], "'helt' matches no file",
             keep=[tmp_path / 'd'])
 
@@ -228,8 +234,8 @@ def test_hub_text_datasets(tmp_path, hub):
 
 
 def test_hub_parquet_shards(tmp_path, hub):
-    """fineweb-edu reads only sample/10BT's shards, in order, stopping at --max_tokens; finemath its
-    folder."""
+    """fineweb-edu reads only sample/10BT's shards, in order, stopping at --max_tokens (refused where
+    that leaves val empty); finemath its folder."""
     r = hub_cli(tmp_path, 'fineweb-edu', f'--hub_url={hub.url}', '--pairs=ict', '--max_tokens=6000')
     assert r.returncode == 0, r.stderr
     meta, docs, pairs = read_folder(tmp_path / 'data/fineweb-edu')
@@ -239,6 +245,8 @@ def test_hub_parquet_shards(tmp_path, hub):
     last = len(tokenizer(tmp_path / 'data/fineweb-edu').encode(docs['train'][-1])) + 2
     assert meta['train_tokens'] >= 6000 > meta['train_tokens'] - last and meta['dtype'] == 'uint16'
     assert pairs['train'] and all(p['query'] not in p['target'] for p in pairs['train'])
+    r = hub_cli(tmp_path, 'fineweb-edu', f'--hub_url={hub.url}', '--max_tokens=10', '--out_dir=x')
+    assert r.returncode == 2 and 'before its first val document' in r.stderr   # the stream stopped
     r = hub_cli(tmp_path, 'finemath', f'--hub_url={hub.url}')
     assert r.returncode == 0, r.stderr
     meta, docs, pairs = read_folder(tmp_path / 'data/finemath')

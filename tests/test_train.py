@@ -256,13 +256,17 @@ def test_lr_schedule():
 
 
 def test_step_line_shows_elapsed_time_and_what_is_left(data, tmp_path, capsys):
-    """Each step line ends with the wall time so far and the training time left (steps or time)."""
+    """Each step line ends with the wall time so far and the training time left (steps or time); an
+    unmasked run is warned that its loss measures copying."""
     assert train_run(data, tmp_path, '--max_iters=10', '--eval_interval=10') == 0
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('step 5 |')]
     assert len(lines) == 1 and re.search(r'\| \d:\d\d:\d\d elapsed, ~\d:\d\d:\d\d left$', lines[0])
     cfg = dict(max_iters=100, max_time=0.0)
     assert str(train.time_left(cfg, 50, 1e3, 2.0)) == '0:01:40'               # steps: 50 at 2 s
     assert str(train.time_left({**cfg, 'max_time': 60.0}, 50, 50.0, 2.0)) == '0:00:10'  # time
+    assert 'copying' not in capsys.readouterr().err
+    assert train_run(data, tmp_path, '--max_iters=2', '--causal=False', '--overwrite') == 0
+    assert 'copying' in capsys.readouterr().err   # unmasked clm reads what it predicts: warned
 
 
 @pytest.mark.parametrize('argv,says', [
