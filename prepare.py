@@ -585,7 +585,7 @@ def prepare(args):
               f'has that many, not --vocab_size={vocab}', file=sys.stderr)
 
     counts, n_files = encode(args, documents, total, tokenizer, dtype, pairs)
-    for s in SPLITS:  # the split by key fills both, or carve did; only --max_tokens stops early
+    for s in SPLITS:  # the split by key fills both, or carve did; a hub stream cut short may not
         if not counts[f'{s}_tokens']:
             raise ValueError(f'--max_tokens={args.max_tokens} cut the corpus before its first {s} '
                              f'document: raise it')
