@@ -544,6 +544,8 @@ def train_lm(argv):
             raise ValueError(f"--{k}={asked[k]} contradicts {path}, trained with {k}="
                              f"{trained[k]!r}: drop the flag, or train into a new --out_dir")
     check_loop(cfg, resume)
+    if cfg['padding'] == 'left' and cfg['batch_mode'] == 'packed':  # windows of a stream: no pads
+        raise ValueError("--padding=left places a document's pads: add --batch_mode=documents")
     meta = load_meta(cfg['data_dir'])
     mcfg = ModelConfig(vocab_size=meta['vocab_size'], **{k: cfg[k] for k in MODEL_KEYS})
     if resume and meta.get('fingerprint') != resume['data']['meta'].get('fingerprint'):

@@ -106,6 +106,7 @@ REFUSALS = [
     ('sample', [*SAMPLE, '--compile', '--method=window'], 'compile'),
     ('sample', [*SAMPLE, '--max_new_tokens=-1'], 'max_new_tokens'),
     ('train', [*TRAIN, '--max_time=nan'], 'max_time'),
+    ('train', [*TRAIN, '--padding=left'], 'batch_mode'),  # packed windows have no pads to place
     ('prepare', ['pystdlib', '--max_tokens=-1', OUT], 'max_tokens'),
     ('bench', ['--mode=race'], 'race'), ('bench', ['throughput', '--repeats=0'], 'repeats'),
     ('retrieve', [*EVAL, '--pool=max'], "'', last, mean"),
