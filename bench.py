@@ -91,7 +91,10 @@ def settings(argv):
         assert len(s.batch_size) == 1, f"--batch_size: one value in {s.mode}, a list in generate"
         s.batch_size = s.batch_size[0]
     s.dev = resolve_device(s.device)
-    s.torch_dtype, why = choose_dtype(s.dev, s.dtype)
+    if s.mode == 'represent':  # its gradient descent runs in float32 (represent_rows)
+        s.torch_dtype, why = torch.float32, 'represent inverts in float32'
+    else:
+        s.torch_dtype, why = choose_dtype(s.dev, s.dtype)
     s.device, s.dtype = str(s.dev), str(s.torch_dtype)[6:]  # what runs, as memory cells inherit it
     print(f"{s.mode}: {s.device} {s.dtype} ({why})", file=sys.stderr)
     grid(s)  # a bad arch or size fails here, before any work

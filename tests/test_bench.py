@@ -123,13 +123,15 @@ def test_bench_represent_recovers_what_reaches_the_layer():
     assert bench.hamming(x, y, pad_id=0) == 0.5 and bench.hamming(x, y) == 0.75
 
 
-def test_bench_represent_mixer_beats_llama_other_objectives_and_checkpoints(trained, data):
+def test_bench_represent_mixer_beats_llama_other_objectives_and_checkpoints(trained, data,
+                                                                          capsys):
     """The paper's §3.3 finding, in small: an untrained mixer's last layer gives its input back, a
     llama's does not. Autoencoders are probed through their encoder, half-sequence models through
     their own forward; the two-stream bidirectional model has no single backbone to invert. A
-    checkpoint is probed on its data."""
+    checkpoint is probed on its data. The dtype printed is the one that runs, float32."""
     rows = bench.main(['represent', '--d_model=128', '--n_layers=2', '--n_ctx=16',
-                       '--vocab_size=256'])
+                       '--vocab_size=256', '--dtype=bfloat16'])
+    assert 'represent: cpu float32' in capsys.readouterr().err
     h = {(r['arch'], r['positions']): r['hamming'] for r in rows}
     assert h['mixer', 'all'] < 0.05 and h['llama', 'all'] > 0.5
     assert all(r['layer'] == 2 for r in rows)
