@@ -59,6 +59,7 @@ DEFAULTS = dict(
     steps=500, lr=0.05,     # represent: gradient descent steps; step size, decaying to lr/10
     positions=0,            # weights: the first this many positions drawn (0: n_ctx, at most 128)
     out='',                 # weights: the PNG written (default: weights.png beside --ckpt)
+    overwrite=False,        # replace an existing --json or --out file
 )
 MODE_DEFAULTS = {  # each mode's sizes over DEFAULTS (which hold throughput's)
     'memory': dict(archs='mixer,llama', d_model=1024, n_layers='4,8', n_ctx='512,1024,2048',
@@ -414,7 +415,7 @@ def bench_weights(s):
     assert s.positions >= 0, f"--positions={s.positions}: draw 1 or more (0: up to 128)"
     model = model_from_checkpoint(load_checkpoint(s.ckpt))
     out, layers = s.out or os.path.join(os.path.dirname(s.ckpt), 'weights.png'), {}
-    check_output_file(out, 'out')
+    check_output_file(out, 'out', s.overwrite)
     for layer, panel, M in mixing_matrices(model):
         layers.setdefault(layer, []).append((panel, M))
     if not layers:
@@ -469,7 +470,7 @@ def run(argv):
         return race(argv)
     s = settings(argv)
     if s.json:
-        check_output_file(s.json, 'json')
+        check_output_file(s.json, 'json', s.overwrite)
     rows = []
     for r in MEASURE[s.mode](s):
         print(markdown([r], list(r)[1:], head=not rows), flush=True)  # every key but the mode
@@ -527,6 +528,8 @@ def race(argv):
         rows, interrupted = race_cell(cells[0])
         return 130 if interrupted else rows
     s, rows, folder = cells[0], [], os.path.dirname(cells[0].out_dir)
+    if os.path.exists(os.path.join(folder, 'context.md')) and not s.overwrite:
+        raise ValueError(f"{folder} holds an earlier sweep: pass --overwrite, or a new --out_dir")
     per = s.max_time * (1 if s.dev.type == 'cpu' else len(s.archs))  # race_runs: CPU at once
     print(f"context sweep: n_ctx {', '.join(str(c.n_ctx) for c in cells)}, {per:g} s of training "
           f"each, {len(cells) * per / 60:.1f} min in all (evaluation and start-up excluded)")

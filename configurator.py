@@ -154,10 +154,13 @@ def check_out_dir(out_dir, flag='out_dir'):
                          f"writable folder") from None
 
 
-def check_output_file(path, flag):
-    """Fail before the work that fills an output file if it cannot be written."""
+def check_output_file(path, flag, overwrite=False):
+    """Fail before the work that fills an output file if it cannot be written, or would replace a
+    file unasked (overwrite: it may)."""
     if os.path.isdir(path):
         raise ValueError(f"--{flag}={path} is a folder: name a file")
+    if os.path.exists(path) and not overwrite:
+        raise ValueError(f"--{flag}={path} exists: replace it with --overwrite, or name another")
     check_out_dir(os.path.dirname(path) or '.', flag)
 
 

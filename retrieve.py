@@ -77,6 +77,7 @@ EVAL = dict(
     n=','.join(str(2 ** k) for k in range(5, 14)),  # Table 1's n (32 ... 8192), at most pairs + 1
     seed=0,                 # seed of the sampled negatives
     json='',                # also write the metrics to this JSON file
+    overwrite=False,        # replace what exists: out_dir's run (train, indirect), --json's file
 )
 SEARCH = dict(
     EMBED,
@@ -546,7 +547,7 @@ def cmd_search(cfg):
         key = ' '.join([hashlib.file_digest(f, 'sha256').hexdigest(), embedder.encoder.pool,
                         embedder.encoder.padding])
     index = cfg['index'] or cfg['ckpt'] + '.index'
-    check_output_file(index, 'index')  # before the embedding, which may take long
+    check_output_file(index, 'index', True)  # before the embedding; an index is updated in place
     found, embedded = search_index(embedder, files, index, key)
     hits = [(f, span) for f, (_, spans, _) in found.items() for span in spans.tolist()]
     assert hits, f"no text in --docs={cfg['docs']}"
@@ -599,7 +600,7 @@ def run(argv):
             raise ValueError(f"retrieve.py {argv[0]} needs --{example} (see python retrieve.py "
                              f"{argv[0]} --help)")
     if cfg.get('json'):  # before the work that fills it
-        check_output_file(cfg['json'], 'json')
+        check_output_file(cfg['json'], 'json', cfg['overwrite'])
     return command(cfg)
 
 

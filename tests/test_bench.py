@@ -259,7 +259,7 @@ def test_bench_weights_draws_every_mixing_matrix(tmp_path, variant, matrices):
 def test_bench_weights_fractions_near_the_diagonal(tmp_path, capsys):
     """Identity W: all of a row's weight is at its own position. Uniform tril W: row t spreads it
     over its t + 1 inputs, min(k, t + 1) of them within the last k; softmax rows of equal logits
-    are that uniform W. The table prints what the rows hold."""
+    are that uniform W. The table prints what the rows hold. --overwrite replaces the picture."""
     n = 16
     uniform = {k: sum(min(k, t + 1) / (t + 1) for t in range(n)) / n for k in (1, 8)}
     for W, softmax, within in ((torch.eye(n), False, {1: 1.0, 8: 1.0}), (torch.ones(n, n), False,
@@ -267,7 +267,8 @@ def test_bench_weights_fractions_near_the_diagonal(tmp_path, capsys):
         model = tiny(n_layers=1, softmax=softmax)
         model.backbone.blocks[0].mixers[0].mix.weight.data[:] = W
         rows, out, _ = run_main(capsys, 'bench', 'weights', f'--out={tmp_path}/w.png',
-                                f'--ckpt={ckpt_of(tmp_path / "ckpt.pt", model)}', '--positions=8')
+                                f'--ckpt={ckpt_of(tmp_path / "ckpt.pt", model)}', '--positions=8',
+                                '--overwrite')
         r, = rows
         assert (r['within_1'], r['within_8']) == pytest.approx((within[1], within[8]))
         assert r['within_64'] == pytest.approx(1) and 'the last k positions' in out
@@ -307,3 +308,4 @@ def test_race_over_context_lengths(data, tmp_path, capsys):
     assert '| n_ctx | batch_size | mixer_steps |' in (tmp_path / 'context.md').read_text()
     assert (tmp_path / 'context.png').read_bytes()[:4] == b'\x89PNG'
     assert 'context sweep' in capsys.readouterr().out
+    refused(capsys, 'bench', [*argv, '--n_ctx=32,64'], 'earlier sweep')  # context.md: not unasked

@@ -191,6 +191,10 @@ REFUSALS = [
      'json'),
     ('bench', ['throughput', *BENCH_TINY, '--json={tmp}/file/rows.json'], 'json'),
     ('bench', ['race', '--data_dir={data}', '--out_dir={tmp}/file/race'], '{tmp}/file'),
+    # a file that exists (here a checkpoint's name) is replaced only when asked
+    ('bench', ['weights', '--ckpt={mixer}', '--out={tmp}/run/ckpt.pt'], '--overwrite'),
+    ('retrieve', ['eval', '--ckpt={mixer}', '--pairs={pairs}/pairs_val.jsonl',
+                  '--json={tmp}/run/ckpt.pt'], '--overwrite'),
 ]
 
 

@@ -165,13 +165,13 @@ def test_eval_identical_texts_is_100_percent_and_n_is_capped(corpus, capsys, tmp
     for ckpt in (corpus.mixer, corpus.llama, corpus.ae):
         code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={ckpt}',
                                   f'--pairs={tmp_path}/same.jsonl',
-                                  '--n=8,16,32', f'--json={tmp_path}/m.json')
+                                  '--n=8,16,32', f'--json={tmp_path}/m.json', '--overwrite')
         assert code == 0 and json.loads((tmp_path / 'm.json').read_text()) == {
             'top1': {'8': 100.0, '16': 100.0, '32': 100.0}, 'mrr@10': 1.0,
             'recall@k': {'1': 100.0, '5': 100.0, '10': 100.0}, 'n_pairs': 40}
     code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={corpus.mixer}',
                               f'--pairs={corpus.data}/pairs_val.jsonl', '--n=16,64,128',
-                              f'--json={tmp_path}/m.json')
+                              f'--json={tmp_path}/m.json', '--overwrite')
     assert code == 0 and re.search(r'^n +16 +49  MRR@10', out, re.M), out
     assert list(json.loads((tmp_path / 'm.json').read_text())['top1']) == ['16', '49']
 
