@@ -358,10 +358,13 @@ def bm25_scorer(queries, targets):
 
 def fused(*scorers, k=60):
     """Reciprocal-rank fusion (Cormack et al., 2009) as a score: for each query, the sum over the
-    scorers of 1 / (k + the rank they give each of the N targets), 1 the best; k = 60, theirs."""
+    scorers of 1 / (k + the rank they give each of the N targets); k = 60, theirs. A target's rank
+    is 1 + the targets scoring higher: tied ones share it, whatever their order in the file."""
+    def rank(s):                                                   # s (b, N) -> ranks (b, N)
+        return 1 + s.shape[1] - torch.searchsorted(s.sort(1).values, s, right=True)
+
     def score(rows):
-        ranks = [s(rows).float().argsort(1, descending=True).argsort(1) + 1 for s in scorers]
-        return sum(1.0 / (k + r) for r in ranks)                   # (b, N)
+        return sum(1.0 / (k + rank(s(rows).float().contiguous())) for s in scorers)
     return score
 
 

@@ -237,14 +237,18 @@ def test_eval_peer(corpus, capsys, tmp_path, monkeypatch):
 
 def test_hybrid_fuses_ranks(corpus, capsys, tmp_path):
     """Reciprocal-rank fusion: 1 / (60 + rank) summed over the two rankers, so a target that both
-    rank second beats one that only one ranks first; --peer=hybrid is a row of eval, and needs
-    --ckpt."""
+    rank second beats one that only one ranks first; tied scores share a rank, so a ranker that
+    ties everything leaves the other's order; --peer=hybrid is a row of eval, and needs --ckpt."""
     a = lambda rows: torch.tensor([[3.0, 2.0, 1.0, 0.0]])         # noqa: E731  ranks 1 2 3 4
     b = lambda rows: torch.tensor([[0.0, 3.0, 1.0, 2.0]])         # noqa: E731  ranks 4 1 3 2
     got = retrieve.fused(a, b)([0])[0]
     want = [1 / 61 + 1 / 64, 1 / 62 + 1 / 61, 1 / 63 + 1 / 63, 1 / 64 + 1 / 62]
     torch.testing.assert_close(got, torch.tensor(want, dtype=got.dtype))
     assert got.argsort(descending=True).tolist() == [1, 0, 3, 2]
+    tied = lambda rows: torch.zeros(1, 4)                          # noqa: E731  ranks 1 1 1 1
+    torch.testing.assert_close(retrieve.fused(tied, b)([0])[0], 1 / 61 + 1 / (60 + torch.tensor(
+        [4.0, 1.0, 3.0, 2.0])))
+    assert retrieve.fused(tied, tied)([0]).unique().numel() == 1   # no order from the file
     pairs = f'--pairs={corpus.data}/pairs_val.jsonl'
     code, out, err = run_main(capsys, 'retrieve', 'eval', f'--ckpt={corpus.mixer}', pairs,
                               '--peer=hybrid,bm25', '--n=8', f'--json={tmp_path}/m.json')
