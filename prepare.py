@@ -332,11 +332,18 @@ def python_spans(source, n_lines):
     return list(zip(starts, [i - 1 for i in starts[1:]] + [n_lines]))
 
 
+def source_lines(text):
+    """text's lines, ends kept, cut where Python's parser cuts them (\\n, \\r\\n, \\r): ast's line
+    numbers count these, while str.splitlines also cuts at form feeds and other separators."""
+    return [line.decode() for line in text.encode().splitlines(keepends=True)]
+
+
 def chunks_of(path, text, tok, budget):
-    """A file's chunks as (first, last) line spans, 1-based, never a partial line: for Python the
-    spans of python_spans, for other text the whole file, each cut at line boundaries into pieces
-    of at most `budget` tokens (a longer single line stays whole); blank pieces are dropped."""
-    lines = text.splitlines(keepends=True)
+    """A file's chunks as (first, last) line spans, 1-based, of source_lines, never a partial line:
+    for Python the spans of python_spans, for other text the whole file, each cut at line
+    boundaries into pieces of at most `budget` tokens (a longer single line stays whole); blank
+    pieces are dropped."""
+    lines = source_lines(text)
     spans = (python_spans(text, len(lines)) if path.endswith('.py') else None) or [(1, len(lines))]
     sizes = [len(ids) for ids in tok.encode_batch(lines)] if lines else []
     chunks = []

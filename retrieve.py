@@ -26,7 +26,7 @@ import train
 from model import RetrievalMixer
 from configurator import (check_output_file, int_list, parse_args, read_text_file, run_main,
                           write_atomic)
-from prepare import Tokenizer, chunks_of, read_pairs, visible_files
+from prepare import Tokenizer, chunks_of, read_pairs, source_lines, visible_files
 
 TAU = 0.02             # InfoNCE temperature (eq. 8)
 PAPER_N = 32           # --negatives=paper: a query, its target and 30 non-matching ones (§6.3)
@@ -522,7 +522,7 @@ def search_index(embedder, files, path, key):
         sha = hashlib.sha256(text.encode()).hexdigest()
         if index['files'].get(os.path.abspath(f), ('',))[0] != sha:
             todo[f] = sha, chunks_of(f, text, embedder.tok, embedder.n_ctx - 1)  # bos first
-            lines = text.splitlines(keepends=True)
+            lines = source_lines(text)
             texts += [''.join(lines[a - 1:b]) for a, b in todo[f][1]]
     emb = embedder(texts)                                         # (chunks, d_model) unit rows
     for f, (sha, spans) in todo.items():
@@ -557,16 +557,17 @@ def cmd_search(cfg):
     emb = torch.cat([rows for _, _, rows in found.values()])     # (chunks, d_model) unit rows
     cosines = emb @ embedder([cfg['query']])[0]                   # (chunks,)
     score = lambda rows: cosines[None]                             # noqa: E731 (one query)
+    lines = {f: source_lines(text) for f, text in files.items()}  # as chunks_of numbers them
     if cfg['hybrid']:  # fused with BM25's ranks of the same chunks (eval --peer=hybrid)
-        texts = [''.join(files[f].splitlines(True)[a - 1:b]) for f, (a, b) in hits]
+        texts = [''.join(lines[f][a - 1:b]) for f, (a, b) in hits]
         score = fused(score, bm25_scorer([cfg['query']], texts))
     top = score([0])[0].topk(min(cfg['k'], len(hits)))
     print(f"{len(hits):,} chunks in {len(files):,} files ({embedded:,} embedded now)")
     for rank, (value, i) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
         f, (a, b) = hits[i]
         print(f"{rank}. {value:.3f}  {f}:{a}-{b}")
-        for line in files[f].splitlines()[a - 1:min(b, a - 1 + cfg['show'])]:
-            print('   ' + line)
+        for line in lines[f][a - 1:min(b, a - 1 + cfg['show'])]:
+            print('   ' + line.rstrip('\r\n'))
     return 0
 
 

@@ -459,7 +459,7 @@ class Words:
 def test_search_chunks_are_whole_definitions_and_lines():
     """Python: each function and method with its decorators, a class without its methods, the
     module's lines between them (blank runs dropped); a long one, and other text, cut into runs of
-    whole lines of at most `budget` tokens (a longer line alone)."""
+    whole lines of at most `budget` tokens (a longer line alone), numbered as the parser does."""
     assert prepare.chunks_of('a.py', SOURCE, Words, 100) == [
         (1, 5), (6, 9), (12, 15), (16, 17), (19, 22)]
     # lines 1-5 cost 2 1 3 1 1 tokens, 6-9 1 2 1 2, 12-15 2 2 3 1, 16-17 2 2, 19-22 3 2 1 2
@@ -469,3 +469,7 @@ def test_search_chunks_are_whole_definitions_and_lines():
     text = 'one two\nthree four five six seven\n\nsix\n'
     assert prepare.chunks_of('notes.txt', text, Words, 3) == [(1, 1), (2, 2), (3, 4)]
     assert prepare.chunks_of('bad.py', 'def (\n  x\n', Words, 3) == [(1, 2)]  # no parse: lines
+    # a form feed is a character of its line, as ast counts lines (str.splitlines cuts there)
+    ff = 'import os\n\x0c\ndef alpha():\n    return 1\n\x0c\n\ndef beta():\n    return 2\n'
+    assert len(prepare.source_lines(ff)) == 8
+    assert prepare.chunks_of('ff.py', ff, Words, 100) == [(1, 2), (3, 4), (7, 8)]
