@@ -391,7 +391,8 @@ def mixing_matrices(model):
     for name, m in model.named_modules():
         if isinstance(m, Mixing):  # 'backbone.blocks.0.mixers.0.mix.1': layer 1, mix.1
             stack, i, leaf = re.fullmatch(r'(.*?)blocks\.(\d+)\.mixers\.[\d.]*(.+)', name).groups()
-            W = m.weight.detach().float()                       # (H, R, S) or (H, kernel, R, S)
+            # (H, R, S) or (H, kernel, R, S); rows past n_ctx (an expanded mix's) are never computed
+            W = m.weight.detach().float()[..., :model.cfg.n_ctx, :]
             W = W.masked_fill(~allowed(m.direction, W, 0), -torch.inf if m.softmax else 0)
             W = W.softmax(-1) if m.softmax else W
             taps = f" (norm over {W.shape[1]} taps)" if W.dim() == 4 else ''
@@ -559,6 +560,11 @@ def race(argv):
 
 def race_cells(argv):
     """Each race's settings, checked before any run: argv's, or one per n_ctx of an --n_ctx list."""
+    for prev, arg in zip(argv, argv[1:]):  # argv[0] is 'race'; each flag is routed by its key
+        if not arg.startswith('--'):
+            join = f": write {prev}={arg}" if prev.startswith('--') and '=' not in prev else ''
+            raise ValueError(f"race reads --KEY=VALUE flags, and {arg!r} stands alone{join} "
+                             f"(presets: --presets=A,B)")
     lists, rest = {}, []
     for arg in argv:
         key, _, value = arg.partition('=')

@@ -44,6 +44,9 @@ def typed(key, value, defaults):
         raise ValueError(f"unknown key --{key}: " + (f"did you mean {close}?" if close else
                                                      "see --help"))
     default = defaults[key]
+    if isinstance(value, str) and any('\udc80' <= c <= '\udcff' for c in value):  # (how Python
+        # keeps the argv bytes that are not UTF-8)
+        raise ValueError(f"--{key}: its text is not UTF-8: set a UTF-8 locale, or use a UTF-8 file")
     if default is None and str(value).lower() in ('auto', 'none'):
         return None
     kind = bool if default is None else type(default)
@@ -157,7 +160,7 @@ def check_out_dir(out_dir, flag='out_dir'):
 def check_output_file(path, flag, overwrite=False):
     """Fail before the work that fills an output file if it cannot be written, or would replace a
     file unasked (overwrite: it may)."""
-    if os.path.isdir(path):
+    if os.path.isdir(path) or path.endswith(os.sep):
         raise ValueError(f"--{flag}={path} is a folder: name a file")
     if os.path.exists(path) and not overwrite:
         raise ValueError(f"--{flag}={path} exists: replace it with --overwrite, or name another")

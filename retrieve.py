@@ -86,7 +86,8 @@ SEARCH = dict(
     query='',               # the text to look for
     k=5,                    # how many chunks to print
     show=4,                 # lines of each chunk to print
-    index='',               # the chunk embeddings kept between calls; '': CKPT.index beside it
+    index='',               # the chunk embeddings kept between calls; '': CKPT.index beside it,
+                            # built again when the checkpoint changes
     hybrid=False,           # rank by reciprocal-rank fusion with BM25 (eval --peer=hybrid)
 )
 
@@ -349,9 +350,11 @@ def bm25_scorer(queries, targets):
             from None
     stop = set(bm25s.stopwords.STOPWORDS_EN)                       # the, of, ... (33 words)
     terms = lambda text: [w for w in code_words(text) if w not in stop]  # noqa: E731
-    index = bm25s.BM25()
-    index.index([terms(t) for t in targets], show_progress=False)
+    index, corpus = bm25s.BM25(), [terms(t) for t in targets]
     words, none = [terms(q) for q in queries], np.zeros(len(targets), dtype=np.float32)
+    if not any(corpus):  # no target holds a word BM25 reads (say, all in CJK): every score is 0
+        return lambda rows: torch.zeros(len(rows), len(targets))
+    index.index(corpus, show_progress=False)
     return lambda rows: torch.from_numpy(np.stack([index.get_scores(words[i]) if words[i] else none
                                                    for i in rows]))
 
@@ -502,19 +505,24 @@ def cmd_indirect(cfg):
 
 # ----------------------------------------------------------------------------- search
 
-def search_index(embedder, files, path, key):
+def search_index(embedder, files, path, key, rebuild=False):
     """The chunks of `files` ({path: text}) and their embeddings, kept in the index file `path` from
     one call to the next: {'key': key, 'files': {absolute path: (sha256 of its text, spans (k, 2),
     embeddings (k, d_model))}}. Only new and changed files are embedded, then the index is written
     back whole (a file deleted from disk leaves it). key names the checkpoint, pool and padding:
-    another's index is refused."""
+    another's index is refused, or built afresh if `rebuild` (the default index of a checkpoint
+    trained on since)."""
     index = {'key': key, 'files': {}}
     if os.path.exists(path):
         try:
-            index = torch.load(path, weights_only=True)
+            held = torch.load(path, weights_only=True)
+            assert set(held) == {'key', 'files'}
         except Exception as e:  # cut short, or another file
-            raise ValueError(f"the index {path} is damaged ({type(e).__name__}): delete it")
-        if index.get('key') != key:
+            raise ValueError(f"{path} is not a readable search index ({type(e).__name__}): pass "
+                             f"another --index (an index cut short: delete it)") from None
+        if held['key'] == key:
+            index = held
+        elif not rebuild:
             raise ValueError(f"the index {path} was built by another checkpoint, or with other "
                              f"--pool/--padding: delete it, or pass another --index")
     todo, texts = {}, []   # path: (sha256, spans) of the files to embed; their chunks' texts
@@ -551,7 +559,7 @@ def cmd_search(cfg):
                         embedder.encoder.padding])
     index = cfg['index'] or cfg['ckpt'] + '.index'
     check_output_file(index, 'index', True)  # before the embedding; an index is updated in place
-    found, embedded = search_index(embedder, files, index, key)
+    found, embedded = search_index(embedder, files, index, key, rebuild=not cfg['index'])
     hits = [(f, span) for f, (_, spans, _) in found.items() for span in spans.tolist()]
     assert hits, f"no text in --docs={cfg['docs']}"
     emb = torch.cat([rows for _, _, rows in found.values()])     # (chunks, d_model) unit rows
@@ -562,7 +570,8 @@ def cmd_search(cfg):
         texts = [''.join(lines[f][a - 1:b]) for f, (a, b) in hits]
         score = fused(score, bm25_scorer([cfg['query']], texts))
     top = score([0])[0].topk(min(cfg['k'], len(hits)))
-    print(f"{len(hits):,} chunks in {len(files):,} files ({embedded:,} embedded now)")
+    fusion = '; scores: reciprocal-rank fusion with BM25' if cfg['hybrid'] else ''  # not cosines
+    print(f"{len(hits):,} chunks in {len(files):,} files ({embedded:,} embedded now){fusion}")
     for rank, (value, i) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
         f, (a, b) = hits[i]
         print(f"{rank}. {value:.3f}  {f}:{a}-{b}")

@@ -252,6 +252,8 @@ def test_bench_weights_draws_every_mixing_matrix(tmp_path, variant, matrices):
     assert [(r['layer'], r['matrix']) for r in rows] == [
         (f'layer {i}', m) for i in (1, 2) for m in matrices]
     assert (tmp_path / 'weights.png').read_bytes()[:4] == b'\x89PNG'
+    model = tiny(**variant)  # the rows a model computes, not an expanded mix's rows past n_ctx
+    assert all(M.shape[0] <= model.cfg.n_ctx for *_, M in bench.mixing_matrices(model))
     for r in rows:  # each fraction grows with k; n_ctx 16 < 64: all of it
         assert 0 <= r['within_1'] <= r['within_8'] <= r['within_64'] == pytest.approx(1)
 

@@ -124,6 +124,8 @@ REFUSALS = [
     ('bench', ['throughput', '--batch_size=1,16'], 'batch_size'),  # a list only in generate
     ('bench', ['throughput', '--archs=rnn'], 'rnn'),
     ('bench', ['race', '--archs=mixer,rnn'], "'rnn'"),
+    ('bench', ['race', '--data_dir', 'data/x'], '--data_dir=data/x'),  # race routes --KEY=VALUE
+    ('sample', ['--prompt=caf\udce9'], '--prompt: its text is not UTF-8'),  # a latin-1 terminal's
     ('bench', ['generate', *BENCH_TINY, '--prompt=12', '--new_tokens=8'], 'n_ctx'),
     ('bench', ['generate', *BENCH_TINY, '--prompt=4', '--new_tokens=1'], 'new_tokens'),
     ('bench', ['generate', *BENCH_TINY, '--prompt=0', '--new_tokens=4'], 'prompt'),
@@ -160,7 +162,9 @@ REFUSALS = [
     ('prepare', ['pystdlib', '--tokenizer=missing.model', OUT], 'missing.model'),
     ('prepare', ['pystdlib', '--tokenizer={tmp}/blank.txt', OUT], 'blank.txt'),
     ('retrieve', ['search', '--ckpt={mixer}', '--docs={tmp}/ascii.txt', '--query=x',
-                  '--index={tmp}/file'], 'damaged'),
+                  '--index={tmp}/file'], 'not a readable search index'),
+    ('retrieve', ['search', '--ckpt={mixer}', '--docs={tmp}/ascii.txt', '--query=x',
+                  '--index={mixer}'], 'not a readable search index'),  # never "delete" a ckpt
     ('retrieve', ['eval', '--ckpt={mixer}', '--pairs={tmp}/none.jsonl'], 'none.jsonl'),
     ('retrieve', ['eval', '--ckpt={mixer}', '--pairs={tmp}/bad.jsonl'], 'bad.jsonl:3'),
     ('retrieve', ['eval', '--ckpt={mixer}', '--pairs={tmp}/latin1.jsonl'], 'latin1.jsonl'),

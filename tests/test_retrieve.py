@@ -1,6 +1,6 @@
 """retrieve.py: InfoNCE (eq. 7), the Algorithm 1 samplers, the many-candidate eval, indirect
 retrieval, search, training."""
-import json, math, os, random, re, sys, types
+import json, math, os, random, re, shutil, sys, types
 
 import numpy as np
 import pytest
@@ -188,9 +188,13 @@ def test_eval_random_scores_are_one_in_n_minus_one():
 
 
 def test_bm25_terms_split_identifiers():
-    """BM25 meets code halfway: snake_case, CamelCase and acronyms split into lowercase words."""
+    """BM25 meets code halfway: snake_case, CamelCase and acronyms split into lowercase words;
+    targets with no word it reads (other scripts, stopwords) all score 0."""
     assert retrieve.code_words('read_file(ReadFile)') == ['read', 'file', 'read', 'file']
     assert retrieve.code_words('HTTPServer.get2()') == ['http', 'server', 'get', '2']
+    pytest.importorskip('bm25s')
+    scores = retrieve.bm25_scorer(['日本', 'the'], ['日本語の文', 'of the'])([0, 1])
+    assert scores.tolist() == [[0.0, 0.0], [0.0, 0.0]]
 
 
 class FakePeer:
@@ -427,6 +431,7 @@ def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
     assert search('anything')[1] == 0                  # unchanged: nothing embedded
     out, n = search(wanted.strip() + '\n', '--hybrid')   # both rank it first: 2 / (60 + 1)
     assert n == 0 and re.search(r'^1\. 0\.033  \S+/docs/d1\.py:4-5$', out, re.M), out
+    assert 'scores: reciprocal-rank fusion' in out
     (tmp_path / 'docs/d2.py').write_text(texts[2] + '\n\ndef extra():\n    pass\n')
     out, n = search('anything')
     assert n == 4 and '13 chunks in 4 files (4 embedded now)' in out
@@ -439,6 +444,12 @@ def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
     assert search('anything')[1] == 0
     refused(capsys, 'retrieve', ['search', f'--ckpt={corpus.llama}', docs, index,
                                  '--query=x'], 'another checkpoint')
+    ckpt = tmp_path / 'run/ckpt.pt'   # its default index, ckpt.pt.index, follows the checkpoint
+    ckpt.parent.mkdir()
+    for trained in (corpus.mixer, corpus.llama):   # trained on since: embedded again, not refused
+        shutil.copyfile(trained, ckpt)
+        code, out, err = run_main(capsys, 'retrieve', 'search', f'--ckpt={ckpt}', docs, '--query=x')
+        assert code == 0 and '13 chunks in 5 files (13 embedded now)' in out, (out, err)
 
 
 def unit(*shape, seed=0):
