@@ -51,12 +51,14 @@ DEFAULTS = dict(
     repeats=3,              # timed runs of a throughput or generate cell; its row: their median
     compile=False,          # torch.compile the model (generate: the cached step, warm-up apart)
     mem_limit=12288,        # memory: MB a cell may use before OOM (the paper's 12 GB; 0: none)
-    prompt=128, new_tokens=64,  # generate: tokens of the prompt, tokens decoded after it
+    prompt=128,             # generate: tokens of the prompt
+    new_tokens=64,          # generate: tokens decoded after it
     methods='window,cache',  # generate: comma list of window and/or cache
     ckpt='',                # represent (default: untrained models), weights: a train.py checkpoint
     data_dir='',            # represent: inputs from its val.bin (default: random tokens)
     layer='',               # represent: comma list of layers l whose output is inverted (last)
-    steps=500, lr=0.05,     # represent: gradient descent steps; step size, decaying to lr/10
+    steps=500,              # represent: gradient descent steps
+    lr=0.05,                # represent: step size, decaying to lr/10
     positions=0,            # weights: the first this many positions drawn (0: n_ctx, at most 128)
     out='',                 # weights: the PNG written (default: weights.png beside --ckpt)
     overwrite=False,        # replace an existing --json or --out file

@@ -116,7 +116,7 @@ def int_list(text, key, low=1):
 def read_text_file(path, what):
     """A UTF-8 text file's contents; missing or not UTF-8: a one-line error naming it."""
     if not os.path.isfile(path):
-        raise ValueError(f"{what} {path} not found")
+        raise ValueError(f"{what} {path} {'is a folder' if os.path.isdir(path) else 'not found'}")
     try:
         return Path(path).read_text(encoding='utf-8')
     except UnicodeDecodeError as e:
@@ -149,6 +149,8 @@ def write_atomic(path, data):
 
 def check_out_dir(out_dir, flag='out_dir'):
     """Fail before any work if the folder cannot be created or written."""
+    if os.path.isfile(out_dir):
+        raise ValueError(f"--{flag}={out_dir} is a file: pass a folder")
     try:
         os.makedirs(out_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=out_dir).close()

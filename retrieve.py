@@ -158,7 +158,7 @@ class Embedder:
         ckpt = train.load_checkpoint(ckpt_path)
         self.info = {k: v for k, v in ckpt.items() if k not in ('model', 'optimizer')}
         if ckpt['kind'] not in ('lm', 'retrieval'):
-            raise ValueError(f"{ckpt_path} is a {ckpt['kind']!r} checkpoint: embeddings come from "
+            raise ValueError(f"{ckpt_path} is of kind {ckpt['kind']!r}: embeddings come from "
                              f"an 'lm' (train.py) or 'retrieval' (retrieve.py train) checkpoint")
         # retrieval checkpoints that record no padding (they record embed_pos) were left-padded
         padding = padding or ckpt.get('padding', 'left' if 'embed_pos' in ckpt else 'right')
@@ -266,7 +266,7 @@ def cmd_train(cfg):
     embedder = Embedder(path, 'cpu', pool=cfg['pool'], padding=cfg['padding'])  # fit: device
     src, encoder, n_ctx = embedder.info, embedder.encoder, embedder.n_ctx
     if resuming and src['kind'] != 'retrieval':
-        raise ValueError(f"{path} is a {src['kind']!r} checkpoint, not one of retrieve.py train's")
+        raise ValueError(f"{path} is of kind {src['kind']!r}, not one of retrieve.py train's")
     resume = train.load_checkpoint(path) if resuming else None     # with its optimizer state
     init_from = src['init_from'] if resuming else os.path.abspath(path)
     train.check_loop(cfg, resume)

@@ -52,7 +52,7 @@ def load(path, device, requested):
     the decoding dtype and laid out for batch-1 GEMVs (a step is bound by reading the weights)."""
     ckpt = load_checkpoint(path)
     if ckpt['kind'] != 'lm':
-        raise ValueError(f"{path} is a {ckpt['kind']!r} checkpoint: sample from a train.py one")
+        raise ValueError(f"{path} is of kind {ckpt['kind']!r}: sample from a train.py checkpoint")
     mcfg = ckpt['model_config']
     if mcfg['objective'] not in ('clm', 'mtp2') or not mcfg['causal'] or mcfg['n_ctx'] < 2:
         raise ValueError(f"{path} holds a {mcfg['objective']} model (causal={mcfg['causal']}, "

@@ -534,7 +534,7 @@ def train_lm(argv):
         resume = load_checkpoint(path, "to resume, pass the run's --out_dir, or start afresh "
                                        "with --init_from=scratch --overwrite")
         if resume['kind'] != 'lm':
-            raise ValueError(f"{path} is a {resume['kind']!r} checkpoint, not one of train.py's")
+            raise ValueError(f"{path} is of kind {resume['kind']!r}, not one of train.py's")
         # the run's own keys are the defaults now (the folder may have moved); flags still win
         run = {**DEFAULTS, **resume['config'], 'out_dir': cfg['out_dir']}
         cfg = parse_args(argv, run, __doc__, CHOICES)

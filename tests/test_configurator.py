@@ -181,7 +181,7 @@ REFUSALS = [
     # a resume that cannot continue: a model flag against its checkpoint, a cut or foreign one
     *[('train', [*RESUME, arg], arg[2:].split('=')[0]) for arg in ['--arch=llama', '--n_ctx=16']],
     ('train', ['--data_dir={data}', '--out_dir={tmp}/cut', *TINY, '--init_from=resume'], 'ckpt.pt'),
-    ('train', ['--out_dir={tmp}/nce', '--init_from=resume'], "'retrieval' checkpoint"),
+    ('train', ['--out_dir={tmp}/nce', '--init_from=resume'], "of kind 'retrieval'"),
     # a finished run, replaced only when asked: the refusal names the flag to continue or replace it
     ('train', ['--data_dir={data}', '--out_dir={trained}', *TINY], '--init_from=resume'),
     ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--out_dir={tmp}/run'],
@@ -190,6 +190,8 @@ REFUSALS = [
                   '--c=4'], '--overwrite'),
     # output locations, checked before the work that fills them ({tmp}/file is a file)
     ('train', ['--data_dir={data}', '--out_dir={tmp}/file/out', *TINY], '{tmp}/file'),
+    ('train', ['--data_dir={data}', '--out_dir={tmp}/file', *TINY], '{tmp}/file is a file'),
+    ('sample', ['--ckpt={mixer}', '--prompt=FILE:{tmp}/empty'], '{tmp}/empty is a folder'),
     ('prepare', ['pystdlib', '--out_dir={tmp}/file'], '{tmp}/file'),
     ('retrieve', ['eval', '--ckpt={tmp}/x.pt', '--pairs={tmp}/y.jsonl', '--json={tmp}/file/m.json'],
      'json'),
