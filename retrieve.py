@@ -86,8 +86,7 @@ SEARCH = dict(
     query='',               # the text to look for
     k=5,                    # how many chunks to print
     show=4,                 # lines of each chunk to print
-    index='',               # the chunk embeddings kept between calls; '': CKPT.index beside it,
-                            # built again when the checkpoint changes
+    index='',               # the chunk embeddings kept between calls; '': CKPT.index beside it
     hybrid=False,           # rank by reciprocal-rank fusion with BM25 (eval --peer=hybrid)
 )
 
@@ -505,13 +504,11 @@ def cmd_indirect(cfg):
 
 # ----------------------------------------------------------------------------- search
 
-def search_index(embedder, files, path, key, rebuild=False):
+def search_index(embedder, files, path, key):
     """The chunks of `files` ({path: text}) and their embeddings, kept in the index file `path` from
     one call to the next: {'key': key, 'files': {absolute path: (sha256 of its text, spans (k, 2),
-    embeddings (k, d_model))}}. Only new and changed files are embedded, then the index is written
-    back whole (a file deleted from disk leaves it). key names the checkpoint, pool and padding:
-    another's index is refused, or built afresh if `rebuild` (the default index of a checkpoint
-    trained on since)."""
+    embeddings (k, d_model))}}. Only new and changed files are embedded; the index is written back
+    whole, less deleted files. key names the checkpoint, pool and padding: a stale index is rebuilt."""
     index = {'key': key, 'files': {}}
     if os.path.exists(path):
         try:
@@ -520,11 +517,8 @@ def search_index(embedder, files, path, key, rebuild=False):
         except Exception as e:  # cut short, or another file
             raise ValueError(f"{path} is not a readable search index ({type(e).__name__}): pass "
                              f"another --index (an index cut short: delete it)") from None
-        if held['key'] == key:
+        if held['key'] == key:  # else stale: another checkpoint's, or one trained on since
             index = held
-        elif not rebuild:
-            raise ValueError(f"the index {path} was built by another checkpoint, or with other "
-                             f"--pool/--padding: delete it, or pass another --index")
     todo, texts = {}, []   # path: (sha256, spans) of the files to embed; their chunks' texts
     for f, text in files.items():
         sha = hashlib.sha256(text.encode()).hexdigest()
@@ -559,7 +553,7 @@ def cmd_search(cfg):
                         embedder.encoder.padding])
     index = cfg['index'] or cfg['ckpt'] + '.index'
     check_output_file(index, 'index', True)  # before the embedding; an index is updated in place
-    found, embedded = search_index(embedder, files, index, key, rebuild=not cfg['index'])
+    found, embedded = search_index(embedder, files, index, key)
     hits = [(f, span) for f, (_, spans, _) in found.items() for span in spans.tolist()]
     assert hits, f"no text in --docs={cfg['docs']}"
     emb = torch.cat([rows for _, _, rows in found.values()])     # (chunks, d_model) unit rows

@@ -399,7 +399,7 @@ def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
     """A function's own text finds it first, at cosine 1, printed as path:first-last with its first
     lines (binary files skipped), and first too fused with BM25 (--hybrid). A second call embeds
     nothing; an edited file alone is embedded again, a deleted one leaves the index; another
-    checkpoint's index is refused."""
+    checkpoint's index (or its own, trained on since) is built afresh."""
     rng, texts = random.Random(2), []
     for i in range(4):   # three functions a file, at lines 1-2, 4-5 and 7-8
         names = [rng.sample(PAIR_WORDS, 2) for _ in range(3)]
@@ -442,14 +442,16 @@ def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
     assert {os.path.basename(f) for f in kept} == {'d1.py', 'd2.py', 'd3.py', 'more.txt'}
     (tmp_path / 'docs/__init__.py').touch()            # new, but no chunk: nothing to embed
     assert search('anything')[1] == 0
-    refused(capsys, 'retrieve', ['search', f'--ckpt={corpus.llama}', docs, index,
-                                 '--query=x'], 'another checkpoint')
     ckpt = tmp_path / 'run/ckpt.pt'   # its default index, ckpt.pt.index, follows the checkpoint
     ckpt.parent.mkdir()
     for trained in (corpus.mixer, corpus.llama):   # trained on since: embedded again, not refused
         shutil.copyfile(trained, ckpt)
         code, out, err = run_main(capsys, 'retrieve', 'search', f'--ckpt={ckpt}', docs, '--query=x')
         assert code == 0 and '13 chunks in 5 files (13 embedded now)' in out, (out, err)
+    index = f'--index={ckpt}.index'   # named: the same
+    code, out, err = run_main(capsys, 'retrieve', 'search', f'--ckpt={corpus.mixer}', docs, index,
+                              '--query=x')
+    assert code == 0 and '13 chunks in 5 files (13 embedded now)' in out, (out, err)
 
 
 def unit(*shape, seed=0):
