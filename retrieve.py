@@ -508,7 +508,7 @@ def search_index(embedder, files, path, key):
     """The chunks of `files` ({path: text}) and their embeddings, kept in the index file `path` from
     one call to the next: {'key': key, 'files': {absolute path: (sha256 of its text, spans (k, 2),
     embeddings (k, d_model))}}. Only new and changed files are embedded; the index is written back
-    whole, less deleted files. key names the checkpoint, pool and padding: a stale index is rebuilt."""
+    whole, less deleted files. key: the checkpoint, pool and padding; a stale index is rebuilt."""
     index = {'key': key, 'files': {}}
     if os.path.exists(path):
         try:
