@@ -44,8 +44,8 @@ def typed(key, value, defaults):
         raise ValueError(f"unknown key --{key}: " + (f"did you mean {close}?" if close else
                                                      "see --help"))
     default = defaults[key]
-    if isinstance(value, str) and any('\udc80' <= c <= '\udcff' for c in value):  # (how Python
-        # keeps the argv bytes that are not UTF-8)
+    # argv's bytes that are not UTF-8 reach Python as lone surrogates, which no tokenizer takes
+    if isinstance(value, str) and any('\udc80' <= c <= '\udcff' for c in value):
         raise ValueError(f"--{key}: its text is not UTF-8: set a UTF-8 locale, or use a UTF-8 file")
     if default is None and str(value).lower() in ('auto', 'none'):
         return None
