@@ -61,7 +61,7 @@ DEFAULTS = dict(
     lr=0.05,                # represent: step size, decaying to lr/10
     positions=0,            # weights: the first this many positions drawn (0: n_ctx, at most 128)
     out='',                 # weights: the PNG written (default: weights.png beside --ckpt)
-    overwrite=False,        # replace an existing --json or --out file
+    overwrite=False,        # replace what exists: --json's, --out's file (race: its out_dir's)
 )
 MODE_DEFAULTS = {  # each mode's sizes over DEFAULTS (which hold throughput's)
     'memory': dict(archs='mixer,llama', d_model=1024, n_layers='4,8', n_ctx='512,1024,2048',

@@ -26,7 +26,8 @@ def parse_args(argv, defaults, doc, choices=None, positional=None, modes=None):
         key = key.replace('-', '_')
         if not eq:  # --key value, or a bare --flag for a boolean
             flag = isinstance(defaults.get(key), bool) and not (args and args[0].lower() in BOOLS)
-            assert flag or args, f"--{key} needs a value: write --{key}=VALUE"
+            assert flag or args and not args[0].startswith('--'), \
+                f"--{key} needs a value: write --{key}=VALUE"
             value = 'true' if flag else args.pop(0)
         cfg[key] = typed(key, value, defaults)
     for key, allowed in (choices or {}).items():

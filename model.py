@@ -303,7 +303,8 @@ def add_lm_head(model, cfg, wte):
                 nn.init.normal_(mod.weight, std=0.02)
                 if getattr(mod, 'bias', None) is not None:
                     nn.init.zeros_(mod.bias)
-    if cfg.tie_weights:
+    if cfg.tie_weights:  # the table is an output layer too: its scale (a mixer's would be N(0, 1))
+        nn.init.normal_(wte.weight, std=0.02)
         model.lm_head.weight = wte.weight
 
 

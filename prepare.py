@@ -81,7 +81,11 @@ class Tokenizer:
             if 'model' not in spec and not os.path.isfile(path):
                 raise ValueError(f'tokenizer model {path} not found: prepare the data again')
             model = spec['model'] if 'model' in spec else Path(path).read_bytes()
-            self.enc, self.sp = None, spm.SentencePieceProcessor(model_proto=model)
+            try:
+                self.enc, self.sp = None, spm.SentencePieceProcessor(model_proto=model)
+            except RuntimeError as e:  # sentencepiece's complaint, on one line
+                why = str(e).strip().partition('\n')[0]
+                raise ValueError(f'{path} is not a sentencepiece model ({why})') from None
             self.vocab_size = self.sp.get_piece_size()
             self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
             self.pad_id = self.sp.pad_id() if self.sp.pad_id() >= 0 else self.eos_id
@@ -138,10 +142,12 @@ def eot_documents(path):
 
 
 def visible_files(folder, skip=()):
-    """Every file under folder, sorted; hidden files and folders (and those in skip) left out."""
+    """Every regular file under folder, sorted (a pipe would block a read, a broken link fail it);
+    hidden files and folders, and folders in skip, left out."""
     for root, dirs, names in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith('.') and d not in skip)
-        yield from (os.path.join(root, n) for n in sorted(names) if not n.startswith('.'))
+        paths = (os.path.join(root, n) for n in sorted(names) if not n.startswith('.'))
+        yield from filter(os.path.isfile, paths)
 
 
 def stdlib_files():
@@ -163,7 +169,7 @@ def text_files(patterns, out_dir):
             files += visible_files(m) if os.path.isdir(m) else [m]
     out_dir = os.path.abspath(out_dir)  # earlier outputs are not input
     files = [f for f in map(os.path.abspath, dict.fromkeys(files))
-             if os.path.commonpath([f, out_dir]) != out_dir]
+             if os.path.isfile(f) and os.path.commonpath([f, out_dir]) != out_dir]
     if not files:
         raise ValueError(f"--input {','.join(patterns)} holds no files outside --out_dir")
     root = os.path.commonpath([os.path.dirname(f) for f in files])
@@ -475,13 +481,13 @@ def encode(args, documents, total, tokenizer, dtype, pairs):
 
 def prepared(out_dir):
     """The fingerprint of the data in out_dir: meta.json's (written last), if its files are all
-    there; else None."""
+    there; else None (none, cut short, or not prepare.py's)."""
     try:
         meta = json.loads(Path(out_dir, 'meta.json').read_text())
-    except (OSError, ValueError):
+        whole = all(os.path.isfile(os.path.join(out_dir, name)) for name in meta['outputs'])
+        return meta['fingerprint'] if whole else None
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    whole = all(os.path.isfile(os.path.join(out_dir, name)) for name in meta['outputs'])
-    return meta.get('fingerprint') if whole else None
 
 
 def commit(out_dir, meta):
@@ -556,9 +562,11 @@ def prepare(args):
     if held == fingerprint:
         print(f'{args.out_dir} is up to date (same inputs and options): nothing to do')
         return
-    if held and not args.overwrite:  # runs trained on it could not resume on the new data
-        raise ValueError(f'{args.out_dir} holds data prepared from other inputs or options: '
-                         f'replace it with --overwrite, or pass another --out_dir')
+    found = [n for n in ('meta.json', *OUTPUTS) if os.path.exists(os.path.join(args.out_dir, n))]
+    if found and not args.overwrite:  # runs trained on it could not resume; or it is not ours
+        what = 'data prepared from other inputs or options' if held else ', '.join(found)
+        raise ValueError(f'{args.out_dir} holds {what}: replace it with --overwrite, or pass '
+                         f'another --out_dir')
     splits = set()
     for split, *_ in documents():  # downloads happen, empty inputs fail before any work; the
         splits.add(split)          # whole corpus is read only if a split stays empty (small ones)
@@ -566,7 +574,8 @@ def prepare(args):
             break
     splits.discard('heldout')
     if not splits:
-        raise ValueError('no text in the input (it is empty)')
+        raise ValueError('no text to train on in the input: it is empty, binary (a NUL byte in '
+                         'its first 4 KB), or all held out')
     if len(splits) == 1:
         documents = carve(documents)
     remove_tmp(args.out_dir)  # a killed run's
@@ -577,15 +586,12 @@ def prepare(args):
         print(f'training a {vocab}-piece BPE tokenizer', file=sys.stderr)
         stride = max(1, round(total / TOKENIZER_SAMPLE)) if total else 1  # a sample of it all
         train_tokenizer(documents, stride, vocab, os.path.join(args.out_dir, spec['path']))
-    elif kind == 'file':  # copied, so the folder is self-contained
+    elif kind == 'file':  # read first (a file that is no model is refused), then copied, so the
+        Tokenizer({'kind': 'sentencepiece', 'path': os.path.abspath(tok)})  # folder stands alone
         shutil.copyfile(tok, os.path.join(args.out_dir, spec['path']))
     else:
         spec = {'kind': 'tiktoken', 'name': tok}
-    try:
-        tokenizer = Tokenizer(spec, args.out_dir)
-    except RuntimeError as e:  # sentencepiece's complaint, on one line
-        why = str(e).strip().partition('\n')[0]
-        raise ValueError(f'{tok} is not a sentencepiece model ({why})')
+    tokenizer = Tokenizer(spec, args.out_dir)
     dtype = 'uint16' if tokenizer.vocab_size <= 65535 else 'uint32'
     if kind == 'train' and tokenizer.vocab_size < vocab:
         print(f'warning: this corpus yields only {tokenizer.vocab_size:,} pieces, so the tokenizer '

@@ -76,7 +76,7 @@ EVAL = dict(
     pairs='',               # a pairs JSONL file ({"query": ..., "target": ...} per line)
     n=','.join(str(2 ** k) for k in range(5, 14)),  # Table 1's n (32 ... 8192), at most pairs + 1
     seed=0,                 # seed of the sampled negatives
-    json='',                # also write the metrics to this JSON file
+    json='',                # also write the results to this JSON file (doc/usage.md: keys)
     overwrite=False,        # replace what exists: out_dir's run (train, indirect), --json's file
 )
 SEARCH = dict(

@@ -348,6 +348,17 @@ def test_position_channel_keeps_the_init_loss():
         assert abs(np.mean(losses) - np.mean(none)) <= spread, (where, losses, none)
 
 
+@pytest.mark.parametrize('arch', ARCHS)
+def test_tied_head_starts_at_chance(arch):
+    """Tied, the token table is an output layer too, at an output layer's scale: the loss at init
+    is ln V, as untied (within 1 nat; a mixer's table at N(0, 1) as its head gave ~31 for 5.5)."""
+    cfg = ModelConfig(arch=arch, vocab_size=256, n_ctx=16, d_model=32, n_layers=2, tie_weights=True)
+    torch.manual_seed(0)
+    idx, targets = torch.randint(0, 256, (2, 4, 16))
+    with torch.no_grad():
+        assert abs(build_model(cfg)(idx, targets)[1].item() - math.log(256)) < 1
+
+
 @pytest.mark.parametrize('arch', ['mixer', 'llama'])
 def test_bidirectional_streams_share_feedforwards_as_the_author_did(arch):
     """The author's bidirectional mixer: each block's feed-forward and its norm serve both streams;

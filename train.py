@@ -49,7 +49,7 @@ LOOP_DEFAULTS = dict(
     dtype='auto',           # auto: bf16 where native (CUDA, some CPUs), else fp32 (old GPUs: fp16)
     device='auto',          # auto = cuda if available, else cpu
     compile=False,
-    seed=1337,
+    seed=1337,              # the initial weights and every batch
     overwrite=False,        # a scratch run may replace the run already in out_dir
 )
 DEFAULTS = dict(
@@ -452,8 +452,10 @@ def load_meta(data_dir):
                          f"--out_dir={data_dir} (a preset's docstring gives its options), or "
                          f"pass --data_dir where it moved")
     try:
-        return json.loads(Path(path).read_text())
-    except ValueError as e:
+        meta = json.loads(Path(path).read_text())
+        assert {'vocab_size', 'dtype', 'pad_id', 'tokenizer'} <= meta.keys(), 'keys are missing'
+        return meta
+    except (ValueError, AssertionError, AttributeError) as e:
         raise ValueError(f"{path} is damaged ({e}): prepare the data again") from None
 
 
@@ -532,7 +534,7 @@ def train_lm(argv):
     resume, path = None, os.path.join(cfg['out_dir'], 'ckpt.pt')
     if cfg['init_from'] == 'resume':
         resume = load_checkpoint(path, "to resume, pass the run's --out_dir, or start afresh "
-                                       "with --init_from=scratch --overwrite")
+                                       "with --init_from=scratch")
         if resume['kind'] != 'lm':
             raise ValueError(f"{path} is of kind {resume['kind']!r}, not one of train.py's")
         # the run's own keys are the defaults now (the folder may have moved); flags still win

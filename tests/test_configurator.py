@@ -26,6 +26,9 @@ def test_parse_args_presets_and_overrides(tmp_path):
     for argv in (['--compile=False'], ['--compile', 'False'], ['--compile', 'NO']):
         assert configurator.parse_args([str(preset), *argv], train.DEFAULTS, '')['compile'] is False
     assert configurator.parse_args(['--compile', '--lr=1'], train.DEFAULTS, '')['compile'] is True
+    assert configurator.parse_args(['--out_dir', 'o'], train.DEFAULTS, '')['out_dir'] == 'o'
+    with pytest.raises(AssertionError, match='--out_dir needs a value'):  # not the next flag
+        configurator.parse_args(['--out_dir', '--overwrite'], train.DEFAULTS, '')
     # a typo is answered with the key meant
     with pytest.raises(ValueError, match='--batch_size'):
         configurator.parse_args(['--batchsize=3'], train.DEFAULTS, '')
@@ -193,6 +196,7 @@ REFUSALS = [
     ('train', ['--data_dir={data}', '--out_dir={tmp}/file', *TINY], '{tmp}/file is a file'),
     ('sample', ['--ckpt={mixer}', '--prompt=FILE:{tmp}/empty'], '{tmp}/empty is a folder'),
     ('prepare', ['pystdlib', '--out_dir={tmp}/file'], '{tmp}/file'),
+    ('prepare', ['text', '--input={tmp}/ascii.txt', '--out_dir={tmp}/foreign'], 'train.bin'),
     ('retrieve', ['eval', '--ckpt={tmp}/x.pt', '--pairs={tmp}/y.jsonl', '--json={tmp}/file/m.json'],
      'json'),
     ('bench', ['throughput', *BENCH_TINY, '--json={tmp}/file/rows.json'], 'json'),
@@ -215,7 +219,8 @@ def scratch(tmp_path, data_dir):
                           ('bad.jsonl',
                            b'{"query": "a", "target": "b"}\n' * 2 + b'{"query": oops}\n'),
                           ('run/ckpt.pt', b'a long run'), ('run/log.jsonl', b'{"step": 1}\n'),
-                          ('run/c4/ckpt.pt', b'a long run')]:
+                          ('run/c4/ckpt.pt', b'a long run'),
+                          ('foreign/train.bin', b'not prepare.py\'s: --overwrite to replace')]:
         (tmp_path / name).parent.mkdir(exist_ok=True, parents=True)
         (tmp_path / name).write_bytes(content)
     (tmp_path / 'empty').mkdir()

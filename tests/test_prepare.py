@@ -152,13 +152,18 @@ def test_docstring_and_ict_pairs():
 
 def test_text_dataset_pairs(tmp_path, stdlib_dir, capsys):
     """A folder (binary files skipped, bytes not UTF-8 read as U+FFFD) or a glob becomes documents
-    with their docstring or ICT pairs; a prepared folder inside its input is not read back."""
+    with their docstring or ICT pairs; a prepared folder inside its input is not read back. Only
+    regular files are read: a pipe would block, a broken link fail (listed, never opened here)."""
     (tmp_path / 'src').mkdir()
     for i in range(12):
         (tmp_path / f'src/mod{i}.py').write_text(FIXTURE_PY.replace('Stack', f'Stack{i}'))
         (tmp_path / f'src/notes{i}.txt').write_text(prose(random.Random(i), 14))
     (tmp_path / 'src/blob.bin').write_bytes(b'\0\1\2' * 100)
     (tmp_path / 'src/latin1.md').write_bytes('déjà vu, naïve café\n'.encode('latin-1'))
+    os.mkfifo(tmp_path / 'pipe')
+    os.symlink(tmp_path / 'nowhere', tmp_path / 'dangling')
+    root, rels = prepare.text_files([f'{tmp_path}/*', f'{tmp_path}/src'], f'{tmp_path}/out')
+    assert root == str(tmp_path / 'src') and 'blob.bin' in rels  # the pipe and the link: left out
     tok = f'--tokenizer={stdlib_dir}/tokenizer.model'
     args = ['text', f'--input={tmp_path}/src', '--pairs=docstring', tok,
             f'--out_dir={tmp_path}/src/d']

@@ -287,11 +287,11 @@ def test_a_cpu_names_the_demo_the_prepare_command_and_the_device(argv, says, dat
 
 
 def test_resume_and_fresh_runs_name_the_way_out(data, tmp_path, monkeypatch, capsys):
-    """No checkpoint to resume: start afresh with --overwrite. A folder holding a log but no
+    """No checkpoint to resume: start afresh (--init_from=scratch). A folder holding a log but no
     checkpoint: --overwrite only. Resuming a spent budget says so at once, naming --max_iters and
     --max_time, and evaluates nothing again. --overwrite starts the run afresh."""
     argv = [f'--data_dir={data}', f'--out_dir={tmp_path}', *TINY, '--max_iters=4']
-    refused(capsys, 'train', [*argv, '--init_from=resume'], '--overwrite')
+    refused(capsys, 'train', [*argv, '--init_from=resume'], 'start afresh with --init_from=scratch')
     (tmp_path / 'log.jsonl').write_text('')
     code, _, err = run_main(capsys, 'train', *argv)
     assert code == 2 and '--overwrite' in err and '--init_from=resume' not in err, err
@@ -356,9 +356,12 @@ def test_a_split_shorter_than_a_window_is_refused(data, tmp_path, capsys):
 
 
 @pytest.mark.parametrize('name,damage', [('train.bin', lambda b: b[:-64]), ('val_docs.npy', None),
-                                         ('meta.json', lambda b: b[:len(b) // 2])])
+                                         ('meta.json', lambda b: b[:len(b) // 2]),
+                                         ('meta.json', lambda b: b'{"foo": 1}'),
+                                         ('tokenizer.model', lambda b: b'not a model')])
 def test_data_files_must_agree_with_meta(name, damage, data, tmp_path, capsys):
-    """A truncated token file, a corrupt meta.json, a missing offsets file: each refused by name."""
+    """A truncated token file, a corrupt or foreign meta.json, a missing offsets file, a damaged
+    tokenizer: each refused by name."""
     shutil.copytree(data, tmp_path / 'data')
     path = tmp_path / 'data' / name
     path.write_bytes(damage(path.read_bytes())) if damage else path.unlink()
