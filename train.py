@@ -69,7 +69,8 @@ MODEL_KEYS = [f.name for f in fields(ModelConfig) if f.name != 'vocab_size']
 def check_loop(cfg, resume=None):
     """Refuse loop keys that would fail or mislead, and a resumed run whose budget is spent."""
     lows = dict(batch_size=1, grad_accum=1, eval_iters=1, eval_interval=1, log_interval=1,
-                max_iters=0, max_time=0, eval_seconds=0, grad_clip=0, seed=0)
+                max_iters=0, max_time=0, eval_seconds=0, grad_clip=0, seed=0, warmup_iters=0,
+                min_lr=0)
     for key, low in lows.items():
         if not cfg[key] >= low:  # (nan too)
             raise ValueError(f"--{key}={cfg[key]}: use {low} or more")
@@ -544,7 +545,8 @@ def train_lm(argv):
         asked = asdict(ModelConfig(**{**trained, **{k: cfg[k] for k in MODEL_KEYS}}))
         for k in (k for k in trained if asked[k] != trained[k]):
             raise ValueError(f"--{k}={asked[k]} contradicts {path}, trained with {k}="
-                             f"{trained[k]!r}: drop the flag, or train into a new --out_dir")
+                             f"{trained[k]!r}: drop the flag (or preset), or train into a new "
+                             f"--out_dir")
     check_loop(cfg, resume)
     if cfg['padding'] == 'left' and cfg['batch_mode'] == 'packed':  # windows of a stream: no pads
         raise ValueError("--padding=left places a document's pads: add --batch_mode=documents")
