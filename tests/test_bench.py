@@ -56,6 +56,9 @@ def test_bench_memory(tmp_path, capsys):
     assert '| arch | d_model | n_layers | n_ctx | dtype | n_heads | batch_size | mb |' in out
     assert bench.main([*big, '--mem_limit=1'])[0]['mb'] is None
     assert '| mixer | 256 | 2 | 256 | float32 | 1 | 1 | OOM |' in capsys.readouterr().out
+    # bf16 on a CPU with oneDNN's kernels: its failed allocation ("could not create a primitive")
+    assert bench.main(['memory', '--archs=llama', *big[2:-1], '--dtype=bfloat16',
+                       '--mem_limit=20'])[0]['mb'] is None
     small = ['--d_model=64', '--n_layers=2', '--n_ctx=512', '--dtype=float32', '--batch_size=2']
     full = bench.settings(['memory', '--full', '--n_layers=2'])  # the paper's grid, argv winning
     assert (full.d_model, full.n_layers, full.n_ctx[-1]) == (1024, [2], 8192)

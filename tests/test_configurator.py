@@ -98,7 +98,7 @@ REFUSALS = [
     *[('train', [*TRAIN, f'--{k}={v}'], f'--{k}={v}') for k, v in [
         ('max_iters', -1), ('eval_iters', 0), ('eval_interval', 0), ('log_interval', 0),
         ('grad_accum', 0), ('batch_size', 0), ('seed', -1), ('grad_clip', -1.0),
-        ('warmup_iters', -1), ('min_lr', -0.001)]],  # (a negative min_lr would ascend the loss)
+        ('warmup_iters', -1), ('lr', -1.0), ('min_lr', -0.001)]],  # (a negative rate ascends)
     ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--log_interval=0'],
      '--log_interval=0'),
     ('sample', [*SAMPLE, '--temperature=-1'], 'temperature'),
