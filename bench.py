@@ -182,7 +182,7 @@ def memory_cell(s):
         sync(s.dev)
         peak = (torch.cuda.max_memory_allocated(s.dev) if cuda else proc_status('VmHWM')) - base
     except (RuntimeError, MemoryError) as e:
-        # torch's allocators raise RuntimeError; oneDNN's bf16 kernels "could not create a primitive"
+        # torch's allocators raise RuntimeError; oneDNN's bf16 ones "could not create a primitive"
         why = str(e).lower()
         if isinstance(e, RuntimeError) and 'memory' not in why and 'create a primitive' not in why:
             raise
