@@ -559,8 +559,8 @@ def cmd_search(cfg):
     emb = torch.cat([rows for _, _, rows in found.values()])     # (chunks, d_model) unit rows
     cosines = emb @ embedder([cfg['query']])[0]                   # (chunks,)
     score = lambda rows: cosines[None]                             # noqa: E731 (one query)
-    lines = {f: source_lines(text) for f, text in files.items()}  # as chunks_of numbers them
     if cfg['hybrid']:  # fused with BM25's ranks of the same chunks (eval --peer=hybrid)
+        lines = {f: source_lines(text) for f, text in files.items()}  # as chunks_of numbers them
         texts = [''.join(lines[f][a - 1:b]) for f, (a, b) in hits]
         score = fused(score, bm25_scorer([cfg['query']], texts))
     top = score([0])[0].topk(min(cfg['k'], len(hits)))
@@ -569,7 +569,7 @@ def cmd_search(cfg):
     for rank, (value, i) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
         f, (a, b) = hits[i]
         print(f"{rank}. {value:.3f}  {f}:{a}-{b}")
-        for line in lines[f][a - 1:min(b, a - 1 + cfg['show'])]:
+        for line in source_lines(files[f])[a - 1:min(b, a - 1 + cfg['show'])]:
             print('   ' + line.rstrip('\r\n'))
     return 0
 
