@@ -4,10 +4,9 @@ bench.py: the paper's measurements, re-run on your own hardware in one command.
     python bench.py MODE [--key=value ...] [--json=FILE]
 
 MODE is one of
-  throughput  training steps (forward, backward, AdamW): ms/step, tokens/s and MFU
+  throughput  training steps (forward, backward, AdamW): ms/step, tokens/s, MFU (known GPUs)
   memory      peak memory of one forward + backward, no lm head (the paper's Tables S9/S10)
-  generate    decoding tokens/s, fixed window vs cache, at batch 1 and 16, and the GB/s of reads
-              that implies beside the machine's measured read bandwidth
+  generate    decoding tokens/s, fixed window vs cache, at batch 1 and 16
   represent   input recovery from a layer's activations by gradient descent (paper §3.1-3.3)
   weights     a checkpoint's masked mixing matrices, tril(W) per layer and head, as one picture
               and a table of how much weight lies near the diagonal
@@ -26,8 +25,7 @@ from types import SimpleNamespace
 
 import torch
 
-from model import (ARCHS, Attention, Backbone, GatedMLP, Mixing, ModelConfig, TokenMixing, allowed,
-                   build_model, flops_per_token)
+from model import ARCHS, Backbone, Mixing, ModelConfig, allowed, build_model, flops_per_token
 from configurator import check_output_file, int_list, parse_args, run_main, write_atomic
 from sample import compiled_step, decode_layout
 from train import (CHOICES, DEFAULTS as TRAIN_DEFAULTS, Batches, autocast, choose_dtype,
@@ -147,8 +145,8 @@ def bench_throughput(s):
             seconds.append(time.perf_counter() - t0)
         ms = 1e3 * statistics.median(seconds[2:])
         tps = s.batch_size * cfg.n_ctx / (ms / 1e3)
-        yield row(s, cfg, batch_size=s.batch_size, ms_per_step=ms, tokens_per_s=tps,
-                  mfu=flops_per_token(cfg) * tps / peak, peak_flops=peak)
+        mfu = {'mfu': flops_per_token(cfg) * tps / peak} if peak else {}  # a known GPU's
+        yield row(s, cfg, batch_size=s.batch_size, ms_per_step=ms, tokens_per_s=tps, **mfu)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -218,31 +216,16 @@ def decode_stamps(model, prompt, new_tokens, method, step, s):
     return stamps
 
 
-def read_bandwidth(dev):
-    """Bytes/s of a streaming read: sums of a 256 MiB fp32 buffer, more than a last-level cache
-    holds. Over wall time, as decoding tokens/s is: on a shared machine both see the same load."""
-    a = torch.ones(2**26, device=dev)
-    a.sum()
-    sync(dev)
-    n, t0 = 0, time.perf_counter()
-    while n < 2 or time.perf_counter() < t0 + 0.5:
-        a.sum()
-        sync(dev)
-        n += 1
-    return n * a.numel() * 4 / (time.perf_counter() - t0)
-
-
 def bench_generate(s):
-    """Greedy decoding tokens/s per arch, method and batch size, and the GB/s it implies (bytes a
-    step reads x steps/s). Weights are cast to the dtype, not autocast: a step is bound by reading
-    them. window runs at the first batch size only (compute-bound: batch B costs B forwards)."""
+    """Greedy decoding tokens/s per arch, method and batch size. Weights are cast to the dtype, not
+    autocast: a step is bound by reading them. window runs at the first batch size only
+    (compute-bound: batch B costs B forwards)."""
     if s.prompt < 1 or s.new_tokens < 2:  # a stream starts from a token; a rate needs two stamps
         raise ValueError(f"--prompt={s.prompt} --new_tokens={s.new_tokens}: time a prompt of 1 "
                          f"token or more and 2 new tokens or more")
     if s.prompt + s.new_tokens > min(s.n_ctx):  # before any cell runs
         raise ValueError(f"--prompt={s.prompt} plus --new_tokens={s.new_tokens} exceeds "
                          f"n_ctx={min(s.n_ctx)}: shorten them or raise --n_ctx")
-    bandwidth = read_bandwidth(s.dev)
     gen = torch.Generator().manual_seed(s.seed)
     for cfg in grid(s):
         torch.manual_seed(s.seed)
@@ -261,39 +244,9 @@ def bench_generate(s):
                 runs = [decode_stamps(model, prompt, s.new_tokens, method, step, s)
                         for _ in range(s.repeats)]
                 per_token = statistics.median((t[-1] - t[0]) / (len(t) - 1) for t in runs)
-                step_bytes = statistics.mean(decode_bytes(model, p, batch, method == 'cache')
-                                             for p in range(s.prompt, s.prompt + s.new_tokens - 1))
-                tps = batch / per_token  # a step decodes a token per sequence
                 yield row(s, cfg, method=method, prompt=s.prompt, new_tokens=s.new_tokens,
                           batch_size=batch, compile=s.compile and method == 'cache',
-                          warmup_s=warmup, tokens_per_s=tps, mb_per_step=step_bytes / 1e6,
-                          gb_per_s=step_bytes / per_token / 1e9, read_gb_per_s=bandwidth / 1e9)
-
-
-def decode_bytes(model, pos, batch=1, cached=True):
-    """Bytes one decoding step at window position pos reads: every weight once in its storage
-    dtype, except that an embedding table gives a row per sequence and a masked mixing its row
-    pos, plus per sequence the cache rows read (mixing inputs, keys and values); not activations
-    or writes. cached=False (window): all parameter bytes, loose for a compute-bound step."""
-    head = getattr(getattr(model, 'lm_head', None), 'weight', None)  # tied: its table read whole
-    total, counted = 0, set()
-    for mod in model.modules() if cached else ():  # window: every parameter, in the sum below
-        if isinstance(mod, (TokenMixing, GatedMLP)):  # channels of the cached inputs
-            width = mod.width if isinstance(mod, TokenMixing) else mod.down.in_features
-            for m in (m for m in mod.modules() if isinstance(m, Mixing)):
-                size, (n_out, n_in) = m.weight.element_size(), m.weight.shape[-2:]
-                cols = min(pos + 1, n_in)
-                if pos < n_out:  # row pos of the weights and bias, the cached inputs it mixes
-                    total += (m.weight[..., 0, :cols].numel() + m.bias.shape[0]
-                              + batch * cols * width) * size
-                counted |= {id(m.weight), id(m.bias)}
-        elif isinstance(mod, Attention):  # keys and values of positions <= pos
-            total += batch * 2 * (pos + 1) * mod.qkv.in_features * mod.qkv.weight.element_size()
-        elif isinstance(mod, torch.nn.Embedding) and mod.weight is not head:
-            total += batch * mod.embedding_dim * mod.weight.element_size()
-            counted.add(id(mod.weight))
-    return total + sum(p.numel() * p.element_size() for p in model.parameters()
-                       if id(p) not in counted)
+                          warmup_s=warmup, tokens_per_s=batch / per_token)  # a token per row
 
 
 # ----------------------------------------------------------------------------- represent

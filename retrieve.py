@@ -3,7 +3,7 @@ retrieve.py: retrieval with masked mixers and transformers (paper §6), in one f
 
     # InfoNCE fine-tuning of a pretrained checkpoint (§6.3, eqs 7-8)
     python retrieve.py train --init_from=out/ckpt.pt --data_dir=data/pystdlib
-    # top-1 for many n (Tables 1, 3, 4), MRR@10, recall@k; --peer=bm25,MODEL: known retrievers too
+    # top-1 for many n (Tables 1, 3, 4) and MRR@10; --peer=bm25,MODEL: known retrievers too
     python retrieve.py eval --ckpt=out-retrieval/ckpt.pt --pairs=data/pystdlib/pairs_val.jsonl
     # a RetrievalMixer per c on the frozen model's last hidden states (§6.2, Algorithm 1)
     python retrieve.py indirect --ckpt=out/ckpt.pt --data_dir=data/pystdlib --c=32,128
@@ -309,7 +309,7 @@ def cmd_train(cfg):
 
 def retrieval_metrics(score, N, ns, seed):
     """Top-1 accuracy (%) for each n of Table 1 (n-1 candidates: the query's target and n-2 others,
-    without replacement), and MRR@10, recall@1/5/10 against all N targets. score(rows): the scores
+    without replacement), and MRR@10 against all N targets. score(rows): the scores
     (b, N) of queries `rows`, query i's match being target i. Each query draws one seeded order of
     the other targets, whose first n-2 are its negatives for n: the candidate sets are nested, and
     every retriever scored with one seed meets the same ones. A tie with a negative is a miss."""
@@ -329,8 +329,6 @@ def retrieval_metrics(score, N, ns, seed):
             hits[n] += int((pos > best_neg[:, n - 3]).sum())
     return {'top1': {str(n): round(100.0 * hits[n] / N, 2) for n in ns},
             'mrr@10': round(float(torch.where(rank <= 10, 1.0 / rank, 0.0).mean()), 4),
-            'recall@k': {str(k): round(100.0 * float((rank <= k).float().mean()), 2)
-                         for k in (1, 5, 10)},
             'n_pairs': N}
 
 
@@ -412,12 +410,11 @@ def cmd_eval(cfg):
                for name in [cfg['ckpt']] * bool(cfg['ckpt']) + peers}
     width = max(len(name) for name in results)
     print(f"{len(queries):,} pairs from {cfg['pairs']}: top-1 % against n - 1 candidates; "
-          f"MRR@10 and recall@k % against all {len(queries):,} targets")
-    print(f"{'n':<{width}}" + ''.join(f"{n:>7}" for n in ns) + '  MRR@10  R@1  R@5  R@10')
+          f"MRR@10 against all {len(queries):,} targets")
+    print(f"{'n':<{width}}" + ''.join(f"{n:>7}" for n in ns) + '  MRR@10')
     for name, m in results.items():
-        r = m['recall@k']
         print(f"{name:<{width}}" + ''.join(f"{v:7.1f}" for v in m['top1'].values()) +
-              f"  {m['mrr@10']:6.3f} {r['1']:4.1f} {r['5']:4.1f} {r['10']:5.1f}")
+              f"  {m['mrr@10']:6.3f}")
     if cfg['json']:  # one retriever: its metrics; several: {its name as given: its metrics}
         out = results if len(results) > 1 else results.popitem()[1]
         write_atomic(cfg['json'], json.dumps(out, indent=1) + '\n')

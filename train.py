@@ -12,7 +12,7 @@ clock: there only the batches repeat). The run stops at max_iters steps or max_t
 training, whichever comes first; the learning rate decays as that budget is used. out_dir gets
 ckpt.pt (last), best.pt (lowest val loss) and log.jsonl (a JSON object a line).
 """
-import functools, json, math, os, sys, time, timeit
+import json, math, os, sys, time
 from contextlib import nullcontext
 from dataclasses import asdict, fields
 from datetime import timedelta
@@ -83,7 +83,7 @@ def check_loop(cfg, resume=None):
 
 # ----------------------------------------------------------------------------- device, dtype, DDP
 
-# Dense bf16/fp16 peaks from NVIDIA datasheets (TFLOP/s, first match); the rest is measured.
+# Dense bf16/fp16 peaks from NVIDIA datasheets (TFLOP/s, first match)
 GPU_PEAK_TFLOPS = {'H200': 989, 'H100 PCIe': 756, 'H100': 989, 'A100': 312, 'L40S': 362,
                    'V100': 125}
 NO_BF16_ENV = 'NANOMIXER_NO_BF16'  # set: act as a CPU without native bf16 (tests the fallback)
@@ -132,29 +132,12 @@ def autocast(device, dtype):
     return nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype)
 
 
-@functools.cache
-def peak_flops(device, dtype, budget=0.25):
-    """MFU's denominator: the datasheet peak of a known GPU in bf16/fp16, else the best FLOP/s of
-    square matmuls in dtype (as large as `budget` seconds allow), measured once per process. On a
-    CPU one thread is timed and scaled by the threads: small matmuls on several measure wake-ups."""
-    cuda = device.type == 'cuda'
-    name = torch.cuda.get_device_name(device) if cuda else ''
-    table = [v for k, v in GPU_PEAK_TFLOPS.items() if k in name and dtype != torch.float32]
-    if table:
-        return table[0] * 1e12
-    threads, deadline, best = torch.get_num_threads(), time.perf_counter() + budget, 0.0
-    torch.set_num_threads(threads if cuda else 1)
-    try:
-        for n in (128, 256, 512, 1024, 2048, 4096):
-            a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-            dt = min(timeit.repeat(lambda: (a @ b, sync(device)), lambda: sync(device), number=1,
-                                   repeat=4))  # setup syncs; the first run warms up: the best
-            best = max(best, 2 * n ** 3 / dt)
-            if time.perf_counter() + 4 * 8 * dt > deadline:  # 2n costs 8x
-                break
-    finally:
-        torch.set_num_threads(threads)
-    return best * (1 if cuda else threads)
+def peak_flops(device, dtype):
+    """MFU's denominator: a known GPU's datasheet peak in bf16/fp16, else None (no MFU, as
+    nanoGPT, which knows the A100's only)."""
+    name = torch.cuda.get_device_name(device) if device.type == 'cuda' else ''
+    peaks = [v * 1e12 for k, v in GPU_PEAK_TFLOPS.items() if k in name and dtype != torch.float32]
+    return peaks[0] if peaks else None
 
 
 def sync(device):
@@ -233,13 +216,6 @@ def get_lr(cfg, step, progress):
 def budget_used(cfg, step, train_time):
     steps = step / cfg['max_iters'] if cfg['max_iters'] else 0.0
     return max(steps, train_time / cfg['max_time'] if cfg['max_time'] else 0.0)
-
-
-def time_left(cfg, step, train_time, s_per_step):
-    """Training time left, whole seconds: steps at the last interval's pace, or max_time."""
-    left = [(cfg['max_iters'] - step) * s_per_step] if cfg['max_iters'] else []
-    left += [cfg['max_time'] - train_time] if cfg['max_time'] else []
-    return timedelta(seconds=int(max(min(left), 0)))
 
 
 def report(log, line, **record):
@@ -385,11 +361,10 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
             if peak:
                 rec['mfu'] = round(flops_per_token * tps / (peak * runtime.world), 4)
             mfu = f" | mfu {rec['mfu']:.1%}" if peak else ''
-            left = time_left(cfg, step, train_time, interval_t / n_steps)
             elapsed = timedelta(seconds=int(time.perf_counter() - began))  # h:mm:ss
             report(log, f"step {step} | loss {mean_loss:.4f} | lr {lr:.2e} | "
-                   f"{rec['ms_per_step']:.0f} ms/step | {tps:,.0f} tok/s{mfu} | {elapsed} elapsed, "
-                   f"~{left} left", **rec)
+                   f"{rec['ms_per_step']:.0f} ms/step | {tps:,.0f} tok/s{mfu} | {elapsed} elapsed",
+                   **rec)
             loss_sum.zero_()
             logged_step, logged_tokens, logged_time = step, tokens_seen, train_time
     if diverged and master:

@@ -24,7 +24,7 @@ def tokens(vocab, shape=(2, 16)):
 
 def test_bench_throughput_json_holds_each_row_as_it_finishes(tmp_path, monkeypatch, capsys):
     """An interrupt after two rows leaves both in --json; a row's tokens/s follows from its ms/step
-    and its MFU is a fraction of the measured peak."""
+    (no MFU on a CPU: no datasheet peak)."""
     build = bench.build_model
 
     def build_or_stop(cfg):
@@ -37,7 +37,7 @@ def test_bench_throughput_json_holds_each_row_as_it_finishes(tmp_path, monkeypat
     rows = json.loads((tmp_path / 'r.json').read_text())
     assert code == 130 and 'Traceback' not in err and [r['n_ctx'] for r in rows] == [16, 24]
     for r in rows:
-        assert 0 < r['mfu'] <= 1 and r['peak_flops'] > 1e8
+        assert 'mfu' not in r
         assert r['tokens_per_s'] == pytest.approx(2 * r['n_ctx'] / (r['ms_per_step'] / 1e3))
 
 
@@ -72,37 +72,14 @@ def test_bench_memory(tmp_path, capsys):
     assert mb8 - mb1 > 25
 
 
-def test_bench_generate_methods_batches_and_bandwidth():
-    """window at the first batch size, cache at each; a row's GB/s is the bytes a step reads times
-    steps/s, beside the read bandwidth measured once for the run."""
+def test_bench_generate_methods_and_batches():
+    """window at the first batch size, cache at each; every row a decoding rate."""
     rows = bench.main(['generate', '--archs=mixer,llama', *BENCH_TINY, '--batch_size=1,3',
                        '--prompt=4', '--new_tokens=6'])
     runs = (('window', 1), ('cache', 1), ('cache', 3))
     assert [(r['arch'], r['method'], r['batch_size']) for r in rows] == [
         (a, m, b) for a in ('mixer', 'llama') for m, b in runs]
-    assert len({r['read_gb_per_s'] for r in rows}) == 1 and rows[0]['read_gb_per_s'] > 0.1
-    for r in rows:
-        steps_per_s = r['tokens_per_s'] / r['batch_size']
-        assert r['gb_per_s'] == pytest.approx(r['mb_per_step'] * 1e6 * steps_per_s / 1e9)
-
-
-def test_decode_bytes_weights_once_cache_rows_per_sequence():
-    """A cached step reads each weight once (embeddings: a row; mixings: row pos) and, per sequence,
-    the cache up to pos: one position more adds a cache row per layer (and a mixing weight)."""
-    d, L, vocab = 32, 2, 128
-    for arch, per_pos in (('mixer', L * (d + 1) * 4), ('llama', L * 2 * d * 4),
-                          ('gpt', L * 2 * d * 4)):
-        model = tiny(vocab, arch=arch)
-        one = bench.decode_bytes(model, 5)
-        assert bench.decode_bytes(model, 6) - one == per_pos
-        cache = (L * 6 * d if arch == 'mixer' else L * 2 * 6 * d) * 4
-        per_seq = cache + d * 4 * (2 if arch == 'gpt' else 1)
-        assert bench.decode_bytes(model, 5, batch=3) - one == 2 * per_seq
-        every = sum(p.numel() for p in model.parameters()) * 4
-        assert one < every == bench.decode_bytes(model, 5, cached=False)
-        assert bench.decode_bytes(model.to(torch.bfloat16), 5) * 2 == one  # weights and cache halve
-    tied = tiny(vocab, tie_weights=True)
-    assert bench.decode_bytes(tied, 5) > vocab * d * 4  # the lm head reads the table
+    assert all(r['tokens_per_s'] > 0 for r in rows)
 
 
 def test_bench_represent_recovers_what_reaches_the_layer():

@@ -139,7 +139,7 @@ def test_cuda_kill9_then_resume_continues_the_run(data, tmp_path):
 @cuda
 def test_cuda_sample_and_bench(trained, capsys):
     """sample.py on the GPU (window == cache, greedy, fp32 weights) and each bench.py mode's GPU
-    path: MFU against train.peak_flops, peaks from max_memory_allocated, decoding's GB/s."""
+    path: MFU against train.peak_flops, peaks from max_memory_allocated, decoding rates."""
     argv = [f'--ckpt={trained}/ckpt.pt', '--prompt=def f2_1(x):', '--max_new_tokens=40',
             '--temperature=0', '--device=cuda', '--dtype=float32']
     code, cached, _ = run_main(capsys, 'sample', *argv)
@@ -147,12 +147,12 @@ def test_cuda_sample_and_bench(trained, capsys):
     assert run_main(capsys, 'sample', *argv, '--compile')[1] == cached
     gpu = ['--d_model=64', '--n_layers=1', '--vocab_size=128', '--device=cuda', '--dtype=bfloat16']
     rows = bench.main(['throughput', *gpu, '--n_ctx=64', '--batch_size=2', '--repeats=2'])
-    assert len(rows) == 3 and all(0 < r['mfu'] < 1 and r['peak_flops'] > 1e12 for r in rows)
+    assert len(rows) == 3 and all(0 < r['mfu'] < 1 for r in rows)
     rows = bench.main(['memory', *gpu, '--archs=mixer', '--n_ctx=256,1024'])
     assert 0 < rows[0]['mb'] < rows[1]['mb']
     rows = bench.main(['generate', *gpu, '--n_ctx=64', '--prompt=16', '--new_tokens=8',
                        '--batch_size=1,4'])
-    assert len(rows) == 3 * 3 and all(r['tokens_per_s'] > 0 and r['gb_per_s'] > 0 for r in rows)
+    assert len(rows) == 3 * 3 and all(r['tokens_per_s'] > 0 for r in rows)
 
 
 @pytest.fixture

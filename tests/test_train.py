@@ -255,15 +255,12 @@ def test_lr_schedule():
     assert train.get_lr(dict(cfg, schedule='cosine'), 50, 0.25) > train.get_lr(cfg, 50, 0.25)
 
 
-def test_step_line_shows_elapsed_time_and_what_is_left(data, tmp_path, capsys):
-    """Each step line ends with the wall time so far and the training time left (steps or time); an
-    unmasked run is warned that its loss measures copying."""
+def test_step_line_shows_elapsed_time(data, tmp_path, capsys):
+    """Each step line ends with the wall time so far (no MFU on a CPU); an unmasked run is warned
+    that its loss measures copying."""
     assert train_run(data, tmp_path, '--max_iters=10', '--eval_interval=10') == 0
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('step 5 |')]
-    assert len(lines) == 1 and re.search(r'\| \d:\d\d:\d\d elapsed, ~\d:\d\d:\d\d left$', lines[0])
-    cfg = dict(max_iters=100, max_time=0.0)
-    assert str(train.time_left(cfg, 50, 1e3, 2.0)) == '0:01:40'               # steps: 50 at 2 s
-    assert str(train.time_left({**cfg, 'max_time': 60.0}, 50, 50.0, 2.0)) == '0:00:10'  # time
+    assert len(lines) == 1 and re.search(r'tok/s \| \d:\d\d:\d\d elapsed$', lines[0])
     assert 'copying' not in capsys.readouterr().err
     assert train_run(data, tmp_path, '--max_iters=2', '--causal=False', '--overwrite') == 0
     assert 'copying' in capsys.readouterr().err   # unmasked clm reads what it predicts: warned
