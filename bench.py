@@ -92,10 +92,8 @@ def settings(argv):
         assert len(s.batch_size) == 1, f"--batch_size: one value in {s.mode}, a list in generate"
         s.batch_size = s.batch_size[0]
     s.dev = resolve_device(s.device)
-    if s.mode == 'represent':  # its gradient descent runs in float32 (represent_rows)
-        s.torch_dtype, why = torch.float32, 'represent inverts in float32'
-    else:
-        s.torch_dtype, why = choose_dtype(s.dev, s.dtype)
+    s.torch_dtype, why = ((torch.float32, 'represent inverts in float32') if s.mode == 'represent'
+                          else choose_dtype(s.dev, s.dtype))
     s.device, s.dtype = str(s.dev), str(s.torch_dtype)[6:]  # what runs, as memory cells inherit it
     print(f"{s.mode}: {s.device} {s.dtype} ({why})", file=sys.stderr)
     grid(s)  # a bad arch or size fails here, before any work
@@ -517,13 +515,12 @@ def race(argv):
 
 def race_cells(argv):
     """Each race's settings, checked before any run: argv's, or one per n_ctx of an --n_ctx list."""
+    lists, rest = {}, argv[:1]
     for prev, arg in zip(argv, argv[1:]):  # argv[0] is 'race'; each flag is routed by its key
         if not arg.startswith('--'):
             join = f": write {prev}={arg}" if prev.startswith('--') and '=' not in prev else ''
             raise ValueError(f"race reads --KEY=VALUE flags, and {arg!r} stands alone{join} "
                              f"(presets: --presets=A,B)")
-    lists, rest = {}, []
-    for arg in argv:
         key, _, value = arg.partition('=')
         if key in ('--n_ctx', '--batch_size') and ',' in value:
             lists[key[2:]] = int_list(value, key[2:])

@@ -162,7 +162,6 @@ class TokenMixing(nn.Module):
     def __init__(self, cfg, direction):
         super().__init__()
         d, n, self.heads = cfg.width, cfg.n_ctx, cfg.n_heads if cfg.arch == 'mixer' else 1
-        self.width = d
         self.proj_in = nn.Linear(d, d) if self.heads > 1 else nn.Identity()
         self.proj_out = nn.Linear(d, d) if self.heads > 1 else nn.Identity()
         self.m = int(cfg.expansion * n) if cfg.expansion else n  # hidden rows of an expanded mixer

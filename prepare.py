@@ -113,8 +113,7 @@ class Tokenizer:
         return self.enc.encode_ordinary_batch(texts) if self.enc else self.sp.encode(texts)
 
     def decode(self, ids):
-        ids = np.asarray(ids, dtype=np.int64)
-        ids = ids[~np.isin(ids, [self.bos_id, self.eos_id, self.pad_id])].tolist()
+        ids = [int(i) for i in ids if i not in (self.bos_id, self.eos_id, self.pad_id)]
         return self.enc.decode(ids) if self.enc else self.sp.decode(ids)
 
 
@@ -191,12 +190,9 @@ def matching(rels, patterns, key):
 def local_documents(args, val_share):
     """pystdlib (one document per module) and text (files, cut at <|endoftext|> lines), without
     the --exclude files; the --holdout files come as the split 'heldout'."""
-    if args.dataset == 'pystdlib':
-        root, rels = stdlib_files()
-        source = {'python': platform.python_version()}
-    else:
-        root, rels = text_files(args.input, args.out_dir)
-        source = {'input': args.input}
+    pystdlib = args.dataset == 'pystdlib'
+    root, rels = stdlib_files() if pystdlib else text_files(args.input, args.out_dir)
+    source = {'python': platform.python_version()} if pystdlib else {'input': args.input}
     gone = matching(rels, args.exclude, 'exclude')
     rels = [rel for rel in rels if rel not in gone]
     held = matching(rels, args.holdout, 'holdout')
@@ -544,11 +540,10 @@ def prepare(args):
         n_train = 0   # ones all, a hub stream's those before the cut (it stops there: no download)
         for doc in read():
             n_train += doc[0] == 'train'
-            if args.max_docs and n_train > args.max_docs and doc[0] == 'train':
-                if args.dataset in HUB:
-                    return
-                continue
-            yield doc
+            if not (args.max_docs and n_train > args.max_docs and doc[0] == 'train'):
+                yield doc
+            elif args.dataset in HUB:
+                return
     if tok.endswith('.model') and not os.path.isfile(tok):
         raise ValueError(f'--tokenizer file {tok} does not exist')
     kind = 'train' if not tok else 'file' if os.path.isfile(tok) else 'tiktoken'

@@ -362,10 +362,7 @@ def fused(*scorers, k=60):
     is 1 + the targets scoring higher: tied ones share it, whatever their order in the file."""
     def rank(s):                                                   # s (b, N) -> ranks (b, N)
         return 1 + s.shape[1] - torch.searchsorted(s.sort(1).values, s, right=True)
-
-    def score(rows):
-        return sum(1.0 / (k + rank(s(rows).float().contiguous())) for s in scorers)
-    return score
+    return lambda rows: sum(1.0 / (k + rank(s(rows).float().contiguous())) for s in scorers)
 
 
 def peer_embedder(name, device, batch_size):
@@ -433,10 +430,9 @@ def algorithm1(q_emb, t_emb, match, c, generator):
 
 
 @torch.no_grad()
-def indirect_accuracy(model, q_emb, t_emb, c, seed):
+def indirect_accuracy(model, q_emb, t_emb, c, seed, device):
     """(mean cross-entropy, top-1 %) with every query of the split once, against c-1 candidates."""
     gen, loss, hits = torch.Generator().manual_seed(seed), 0.0, 0
-    device = next(model.parameters()).device
     for a in range(0, len(q_emb), 256):
         x, labels, _ = algorithm1(q_emb, t_emb, torch.arange(a, min(a + 256, len(q_emb))), c, gen)
         logits, l = model(x.to(device), labels.to(device))
@@ -486,7 +482,7 @@ def cmd_indirect(cfg):
                               lambda m, b: m(b[1], b[2])[1], extra)
             if stats['stopped'] == 'diverged':
                 return 1
-            loss, top1 = indirect_accuracy(model.eval(), *emb['val'], c, cfg['seed'])
+            loss, top1 = indirect_accuracy(model.eval(), *emb['val'], c, cfg['seed'], rt.device)
             results[str(c)] = dict(loss=round(loss, 4), top1=round(top1, 2), steps=stats['step'])
             if rt.master:
                 print(f"c={c}: top-1 {top1:.1f}% (chance {100 / (c - 1):.1f}%), val loss "

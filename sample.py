@@ -163,10 +163,9 @@ def sample(argv):
         print(f'warning: the prompt has {len(ids)} tokens; keeping its last {keep} (the window '
               f'holds n_ctx={keep + 1})', file=sys.stderr)
         ids = ids[-keep:]
-    dtype = str(next(model.parameters()).dtype)[6:]
-    print(f'sampling from {path} ({model.cfg.arch}, method {args.method}, {device} {dtype}: {why})',
-          file=sys.stderr)
-    step = compiled_step(model) if args.compile and args.method == 'cache' else None
+    print(f'sampling from {path} ({model.cfg.arch}, method {args.method}, {device} '
+          f'{str(next(model.parameters()).dtype)[6:]}: {why})', file=sys.stderr)
+    step = compiled_step(model) if args.compile else None  # (sample_args: --method=cache)
     if step:  # it compiles on its first calls (a window's last position apart): timed apart
         t0 = time.perf_counter()
         warm = torch.tensor([ids] * args.num_samples, device=device)  # the samples' batch shape

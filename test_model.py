@@ -478,7 +478,7 @@ def test_flops_per_token_is_what_one_training_step_runs(variant):
     with FlopCounterMode(display=False) as counter:
         model(idx, M.objective_targets(cfg.objective, idx, idx))[1].backward()
     unseen, miscount = 0, 0
-    channels = {id(m): t.width // t.heads for t in model.modules() if isinstance(t, M.TokenMixing)
+    channels = {id(m): cfg.width // t.heads for t in model.modules() if isinstance(t, M.TokenMixing)
                 for m in t.modules()}
     for _, mod in model.named_modules(remove_duplicate=False):  # a shared module runs twice
         if not isinstance(mod, (M.Mixing, nn.Embedding)):

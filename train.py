@@ -52,18 +52,18 @@ LOOP_DEFAULTS = dict(
     seed=1337,              # the initial weights and every batch
     overwrite=False,        # a scratch run may replace the run already in out_dir
 )
+MODEL_KEYS = {f.name: f.default for f in fields(ModelConfig) if f.name != 'vocab_size'}
 DEFAULTS = dict(
     data_dir='data/pystdlib',
     batch_mode='packed',    # packed: random windows of the token stream | documents: padded chunks
     padding='right',        # documents: pads after the text (paper's CLM runs) or before it (§6.1)
     init_from='scratch',    # scratch | resume (out_dir/ckpt.pt, with the run's keys)
-    **{f.name: f.default for f in fields(ModelConfig) if f.name != 'vocab_size'},  # vocab: meta
+    **MODEL_KEYS,           # ModelConfig's fields but vocab_size, which meta.json gives
     **LOOP_DEFAULTS,
 )
 CHOICES = dict(batch_mode=('packed', 'documents'), padding=('right', 'left'),
                schedule=('linear', 'cosine'), init_from=('scratch', 'resume'),
                dtype=('auto', 'bfloat16', 'float16', 'float32'))
-MODEL_KEYS = [f.name for f in fields(ModelConfig) if f.name != 'vocab_size']
 
 
 def check_loop(cfg, resume=None):
@@ -208,8 +208,7 @@ def configure_optimizer(model, lr, weight_decay):
 def get_lr(cfg, step, progress):
     if step < cfg['warmup_iters']:
         return cfg['lr'] * (step + 1) / (cfg['warmup_iters'] + 1)
-    cosine = 0.5 * (1 + math.cos(math.pi * progress))
-    decay = 1 - progress if cfg['schedule'] == 'linear' else cosine
+    decay = 1 - progress if cfg['schedule'] == 'linear' else (1 + math.cos(math.pi * progress)) / 2
     return cfg['min_lr'] + (cfg['lr'] - cfg['min_lr']) * decay
 
 
@@ -548,19 +547,16 @@ def train_lm(argv):
     loss_fn = lambda model, batch: model(batch[0], targets=batch[1], mask=batch[2])[1]  # noqa
     # lm_loss averages over the targets that are not -1: row shards of padded documents differ
     # (mtp2's second term, one fewer a row, is weighed as the first); packed rows are all full
-    docs = cfg['batch_mode'] == 'documents'
-    count = (lambda batch: int((batch[1] != -1).sum())) if docs else None
+    count = (lambda b: int((b[1] != -1).sum())) if cfg['batch_mode'] == 'documents' else None
     try:
         stats = fit(cfg, runtime, model, get_batch, loss_fn, extra, resume, flops_per_token(mcfg),
                     count)
     finally:
         runtime.close()
-    if stats['stopped'] == 'diverged':
-        return 1
-    if runtime.master:
+    if runtime.master and stats['stopped'] != 'diverged':
         print(f"done: step {stats['step']}, {stats['train_time']:.1f} s of training, val loss "
               f"{stats['val_loss']:.4f} (best {stats['best_val']:.4f}); checkpoint in {path}")
-    return 0
+    return 1 if stats['stopped'] == 'diverged' else 0
 
 
 if __name__ == '__main__':
