@@ -36,9 +36,10 @@ ELITA_CHUNK = 64  # positions per block of ELiTA's parallel scan
 class Mixing(nn.Module):
     """Masked linear mixing over positions, the heart of the masked mixer, per head of channels:
     out[t] = sum_{s<=t} W[t, s] x[s] + b[t], one learned weight per pair of positions, shared by
-    every channel. The mask is applied here, never to .data, so masked weights get exactly zero
-    gradient. direction: 'causal' (tril), 'reverse' (the bidirectional LM's second stream, inputs
-    s >= t + 2) or 'none'. softmax: each row a distribution over the positions it may read."""
+    every channel (kernel > 1: k per pair, a kernel sliding along the channels). The mask is
+    applied here, never to .data, so masked weights get exactly zero gradient. direction:
+    'causal' (tril), 'reverse' (the bidirectional LM's second stream, inputs s >= t + 2) or
+    'none'. softmax: each row a distribution over the positions it may read."""
 
     def __init__(self, n_out, n_in, heads=1, softmax=False, direction='causal', kernel=1):
         super().__init__()

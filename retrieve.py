@@ -113,8 +113,9 @@ class TextEncoder(torch.nn.Module):
     What happens to the pads. Right padding (the default): a text starts at position 0 and its
     pads come after it. No token of a causal encoder reads a later position, so the pads change
     nothing, and the batch runs only as far as its longest text: each embedding is that of the
-    text alone. Encoders that read ahead (causal=False, objectives bidirectional and half) run the
-    whole window, so that an embedding does not depend on the other texts of its batch. Left
+    text alone. Other encoders (causal=False and objective bidirectional read later positions;
+    half blanks from the middle of what it runs) run the whole window, so that an embedding does
+    not depend on the other texts of its batch. Left
     padding (the paper's §6.1) ends every text at window position n_ctx - 1, one position for a
     mixer's per-position weights; there the text reads the pads before it (attention masks them
     as keys, a masked mixer mixes them in, as in the paper), and the whole window runs.

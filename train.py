@@ -152,7 +152,9 @@ def rank_batches(get_batch, step, grad_accum, rank, world, real_targets=None):
     ranks make one process's step: one backpropagates sum_m L_m / grad_accum, L_m the mean loss
     over micro-batch m's targets. A rank's rows hold a share of those targets (1/world for full
     rows; real_targets counts them where padded rows differ), so L_m sums share x mean loss over the
-    ranks, and DDP averages (/ world) their gradients: scale = share x world / grad_accum."""
+    ranks, and DDP averages (/ world) their gradients: scale = share x world / grad_accum. Not exact
+    in one case: mtp2 on padded documents, whose second term (a target fewer a row) takes the
+    first's share."""
     for micro in range(grad_accum):
         batch = get_batch('train', step, micro, rank, world)
         share_x_world = 1.0  # full rows: share = 1/world, and 1.0 keeps the loss exact
@@ -545,8 +547,8 @@ def train_lm(argv):
              'tokenizer': Tokenizer(meta['tokenizer'], cfg['data_dir']).spec,  # from_checkpoint's
              'data': {'data_dir': os.path.abspath(cfg['data_dir']), 'meta': meta}}  # a record
     loss_fn = lambda model, batch: model(batch[0], targets=batch[1], mask=batch[2])[1]  # noqa
-    # lm_loss averages over the targets that are not -1: row shards of padded documents differ
-    # (mtp2's second term, one fewer a row, is weighed as the first); packed rows are all full
+    # lm_loss averages over the targets that are not -1: row shards of padded documents differ,
+    # packed rows are all full
     count = (lambda b: int((b[1] != -1).sum())) if cfg['batch_mode'] == 'documents' else None
     try:
         stats = fit(cfg, runtime, model, get_batch, loss_fn, extra, resume, flops_per_token(mcfg),
