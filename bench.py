@@ -58,7 +58,7 @@ DEFAULTS = dict(
     steps=500,              # represent: gradient descent steps
     lr=0.05,                # represent: step size, decaying to lr/10
     positions=0,            # weights: the first this many positions drawn (0: n_ctx, at most 128)
-    out='',                 # weights: the PNG written (default: weights.png beside --ckpt)
+    out='',                 # weights: the picture, as its suffix says (default: weights.png)
     overwrite=False,        # replace what exists: --json's, --out's file (race: its out_dir's)
 )
 MODE_DEFAULTS = {  # each mode's sizes over DEFAULTS (which hold throughput's)
@@ -392,7 +392,7 @@ def bench_weights(s):
             ax.set(xlabel='input position', ylabel='output position')
         fig.colorbar(im, ax=axes.tolist(), shrink=0.8)
     fig.suptitle(f"{s.ckpt}: tril(W) as the model uses it, first {n} positions", fontsize=10)
-    write_atomic(out, lambda f: fig.savefig(f, format='png', dpi=80))
+    write_atomic(out, lambda f: fig.savefig(f, format=Path(out).suffix[1:] or 'png', dpi=80))
     print(f"wrote {out}\nwithin_k: the fraction of each row's |weight| at inputs s with |t - s| < k"
           f" (causal: the last k positions, t's own included), averaged over the rows t")
     for layer, panels in layers.items():

@@ -131,7 +131,7 @@ class ModelConfig:
         d, h = self.d_model, self.n_heads
         assert arch == 'hybrid' or self.hybrid_order == 'attn_mix', "hybrid_order: arch hybrid only"
         assert d % (2 * h if arch in ('llama', 'hybrid') else h) == 0, \
-            f"n_heads={h} must divide d_model={d} (into heads of even size for RoPE)"
+            f"n_heads={h} must divide d_model={d} (llama, hybrid: into even heads, for RoPE)"
         assert isinstance(self.share_ffn, bool) and (self.share_ffn or two_streams), \
             f"share_ffn={self.share_ffn!r}: None, True or False (False: objective bidirectional)"
         plain = (self.kernel, e, self.n_convs, self.softmax) == (1, 0, 1, False)

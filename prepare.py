@@ -149,6 +149,12 @@ def visible_files(folder, skip=()):
         yield from filter(os.path.isfile, paths)
 
 
+def binary(path):
+    """A NUL byte in the first 4 KB: a binary file (or UTF-16 text), which no reader takes."""
+    with open(path, 'rb') as f:
+        return b'\0' in f.read(4096)
+
+
 def stdlib_files():
     """The standard library's modules, sorted; test suites and generated tables are left out."""
     root = sysconfig.get_paths()['stdlib']
@@ -202,9 +208,8 @@ def local_documents(args, val_share):
     def documents():
         for rel in rels:
             path = os.path.join(root, rel)
-            with open(path, 'rb') as f:
-                if b'\0' in f.read(4096):  # a binary file found in a folder or glob
-                    continue
+            if binary(path):  # found in a folder or glob
+                continue
             docs = list(eot_documents(path))  # (no stdlib module holds an <|endoftext|> line)
             for i, text in enumerate(docs):
                 key = rel if len(docs) == 1 else f'{rel}#{i}'
@@ -563,16 +568,16 @@ def prepare(args):
         raise ValueError(f'{args.out_dir} holds {what}: replace it with --overwrite, or pass '
                          f'another --out_dir')
     splits = set()
-    for split, *_ in documents():  # downloads happen, empty inputs fail before any work; the
-        splits.add(split)          # whole corpus is read only if a split stays empty (small ones)
+    for split, *_ in read():  # downloads happen, empty inputs fail before any work; the whole
+        splits.add(split)     # corpus is read only if a split stays empty (small ones)
         if {'train', 'val'} <= splits:
             break
     splits.discard('heldout')
     if not splits:
         raise ValueError('no text to train on in the input: it is empty, binary (a NUL byte in '
                          'its first 4 KB), or all held out')
-    if len(splits) == 1:
-        documents = carve(documents)
+    if len(splits) == 1:  # carved before documents() cuts --max_docs: the same val either way
+        read = carve(read)
     remove_tmp(args.out_dir)  # a killed run's
 
     spec = {'kind': 'sentencepiece', 'path': 'tokenizer.model.tmp'}  # until commit() renames it

@@ -26,7 +26,7 @@ import train
 from model import RetrievalMixer
 from configurator import (check_output_file, int_list, parse_args, read_text_file, run_main,
                           write_atomic)
-from prepare import Tokenizer, chunks_of, read_pairs, source_lines, visible_files
+from prepare import Tokenizer, binary, chunks_of, read_pairs, source_lines, visible_files
 
 TAU = 0.02             # InfoNCE temperature (eq. 8)
 PAPER_N = 32           # --negatives=paper: a query, its target and 30 non-matching ones (§6.3)
@@ -537,10 +537,10 @@ def cmd_search(cfg):
     files = {}   # path: text; each text file, and each UTF-8 file under each folder
     for path in cfg['docs'].split(','):
         if not os.path.isdir(path):  # named: missing or not UTF-8 is an error
-            files[path] = read_text_file(path, '--docs file')
+            files[path] = read_text_file(path, '--docs')
             continue
-        for f in visible_files(path):  # hidden ones left out
-            with contextlib.suppress(ValueError):  # not UTF-8: binary, skipped
+        for f in (f for f in visible_files(path) if not binary(f)):  # hidden ones left out
+            with contextlib.suppress(ValueError):  # not UTF-8: skipped
                 files[f] = read_text_file(f, 'document')
     with open(cfg['ckpt'], 'rb') as f:
         key = ' '.join([hashlib.file_digest(f, 'sha256').hexdigest(), embedder.encoder.pool,

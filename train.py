@@ -70,7 +70,7 @@ def check_loop(cfg, resume=None):
     """Refuse loop keys that would fail or mislead, and a resumed run whose budget is spent."""
     lows = dict(batch_size=1, grad_accum=1, eval_iters=1, eval_interval=1, log_interval=1,
                 max_iters=0, max_time=0, eval_seconds=0, grad_clip=0, seed=0, warmup_iters=0,
-                lr=0, min_lr=0)
+                lr=0, min_lr=0, weight_decay=0)
     for key, low in lows.items():
         if not cfg[key] >= low:  # (nan too)
             raise ValueError(f"--{key}={cfg[key]}: use {low} or more")
@@ -383,6 +383,8 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
 
 def load_checkpoint(path, way_out='train one with train.py, or pass its path'):
     """A checkpoint's dict, on the CPU, after checking that it is one of nanomixer's."""
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a folder: pass the checkpoint file in it (ckpt.pt, best.pt)")
     if not os.path.isfile(path):
         raise ValueError(f"no checkpoint at {path}: {way_out}")
     try:

@@ -241,7 +241,8 @@ def test_bench_weights_draws_every_mixing_matrix(tmp_path, variant, matrices):
 def test_bench_weights_fractions_near_the_diagonal(tmp_path, capsys):
     """Identity W: all of a row's weight is at its own position. Uniform tril W: row t spreads it
     over its t + 1 inputs, min(k, t + 1) of them within the last k; softmax rows of equal logits
-    are that uniform W. The table prints what the rows hold. --overwrite replaces the picture."""
+    are that uniform W. The table prints what the rows hold. --overwrite replaces the picture;
+    --out's suffix names its format."""
     n = 16
     uniform = {k: sum(min(k, t + 1) / (t + 1) for t in range(n)) / n for k in (1, 8)}
     for W, softmax, within in ((torch.eye(n), False, {1: 1.0, 8: 1.0}), (torch.ones(n, n), False,
@@ -256,6 +257,8 @@ def test_bench_weights_fractions_near_the_diagonal(tmp_path, capsys):
         assert r['within_64'] == pytest.approx(1) and 'the last k positions' in out
         assert f"| {bench.fmt(r['within_1'])} | {bench.fmt(r['within_8'])} | 1 |" in out
     assert (tmp_path / 'w.png').read_bytes()[:4] == b'\x89PNG'
+    assert bench.main(['weights', f'--ckpt={tmp_path}/ckpt.pt', f'--out={tmp_path}/w.svg'])
+    assert (tmp_path / 'w.svg').read_text().startswith('<?xml')  # the format its suffix names
 
 
 def test_bench_weights_refuses_attention_and_no_ckpt(tmp_path, capsys):

@@ -98,7 +98,7 @@ REFUSALS = [
     *[('train', [*TRAIN, f'--{k}={v}'], f'--{k}={v}') for k, v in [
         ('max_iters', -1), ('eval_iters', 0), ('eval_interval', 0), ('log_interval', 0),
         ('grad_accum', 0), ('batch_size', 0), ('seed', -1), ('grad_clip', -1.0),
-        ('warmup_iters', -1), ('lr', -1.0), ('min_lr', -0.001)]],  # (a negative rate ascends)
+        ('warmup_iters', -1), ('lr', -1.0), ('min_lr', -0.001), ('weight_decay', -0.1)]],
     ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--log_interval=0'],
      '--log_interval=0'),
     ('sample', [*SAMPLE, '--temperature=-1'], 'temperature'),
@@ -196,6 +196,7 @@ REFUSALS = [
     ('train', ['--data_dir={data}', '--out_dir={tmp}/file/out', *TINY], '{tmp}/file'),
     ('train', ['--data_dir={data}', '--out_dir={tmp}/file', *TINY], '{tmp}/file is a file'),
     ('sample', ['--ckpt={mixer}', '--prompt=FILE:{tmp}/empty'], '{tmp}/empty is a folder'),
+    ('sample', ['--ckpt={tmp}/empty'], '{tmp}/empty is a folder: pass the checkpoint file'),
     ('prepare', ['pystdlib', '--out_dir={tmp}/file'], '{tmp}/file'),
     ('prepare', ['text', '--input={tmp}/ascii.txt', '--out_dir={tmp}/foreign'], 'train.bin'),
     ('retrieve', ['eval', '--ckpt={tmp}/x.pt', '--pairs={tmp}/y.jsonl', '--json={tmp}/file/m.json'],

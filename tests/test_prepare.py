@@ -295,12 +295,19 @@ def test_small_corpus_gets_a_val_split(n_files, tmp_path, capsys):
         (tmp_path / f'src/m{i}.py').write_text(code)
     assert prepare.main(['text', f'--input={tmp_path}/src', f'--out_dir={tmp_path}/data',
                          '--vocab_size=100000']) == 0
-    warnings = [w for w in capsys.readouterr().err.splitlines() if w.startswith('warning: ')]
+    out = capsys.readouterr()
+    warnings = [w for w in out.err.splitlines() if w.startswith('warning: ')]
     assert len(warnings) == 1 and 'vocab_size' in warnings[0], warnings
     meta, docs, _ = read_folder(tmp_path / 'data')
     assert meta['val_tokens'] > 0 and meta['train_tokens'] > meta['val_tokens']
     if n_files == 1:  # val is the last tenth of its 120 lines
         assert docs['val'] == [''.join(code.splitlines(True)[-12:])]
+    else:  # all 12 hash to train, so val is carved, before --max_docs cuts train: the same val
+        assert 'val is the end of the corpus' in out.out
+        assert prepare.main(['text', f'--input={tmp_path}/src', f'--out_dir={tmp_path}/two',
+                             '--vocab_size=100000', '--max_docs=2']) == 0
+        meta2, docs2, _ = read_folder(tmp_path / 'two')
+        assert meta2['train_docs'] == 2 and docs2['val'] == docs['val']
     assert train_run(tmp_path / 'data', tmp_path / 'out', '--n_ctx=16', '--max_iters=2',
                      '--eval_interval=2') == 0
     (tmp_path / 'src/tiny.txt').write_text('x')

@@ -410,6 +410,7 @@ def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
     for i, text in enumerate(texts[:3]):
         (tmp_path / f'docs/d{i}.py').write_text(text)
     (tmp_path / 'docs/blob.bin').write_bytes(b'\x89PNG\r\n\x1a\n\0')
+    (tmp_path / 'docs/nul.py').write_text('x = 1\0\n')  # UTF-8, but binary by prepare's rule
     (tmp_path / 'more.txt').write_text(texts[3])
     embedded = []
     embed = retrieve.Embedder.embed_tokens
