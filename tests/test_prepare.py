@@ -239,8 +239,8 @@ def test_hub_text_datasets(tmp_path, hub):
 
 
 def test_hub_parquet_shards(tmp_path, hub):
-    """fineweb-edu reads only sample/10BT's shards, in order, stopping at --max_tokens (refused where
-    that leaves val empty); finemath its folder."""
+    """fineweb-edu reads only sample/10BT's shards, in order, stopping at --max_tokens (refused
+    where that leaves val empty); finemath its folder."""
     r = hub_cli(tmp_path, 'fineweb-edu', f'--hub_url={hub.url}', '--pairs=ict', '--max_tokens=6000')
     assert r.returncode == 0, r.stderr
     meta, docs, pairs = read_folder(tmp_path / 'data/fineweb-edu')
