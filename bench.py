@@ -84,6 +84,7 @@ def settings(argv):
     if s['mode'] == 'race':  # given as --mode=race: race reads its own keys
         raise ValueError("race takes its own keys: write it first, python bench.py race ...")
     assert s['repeats'] >= 1, f"--repeats={s['repeats']}: use 1 or more"
+    assert s['mem_limit'] >= 0, f"--mem_limit={s['mem_limit']}: use MB >= 0 (0: no limit)"
     s = SimpleNamespace(**s)
     s.archs = s.archs.split(',')
     for key in ('n_layers', 'n_ctx', 'batch_size'):

@@ -24,8 +24,8 @@ def parse_args(argv, defaults, doc, choices=None, positional=None, modes=None):
             continue
         key, eq, value = arg[2:].partition('=')
         key = key.replace('-', '_')
-        if not eq:  # --key value, or a bare --flag for a boolean
-            flag = isinstance(defaults.get(key), bool) and not (args and args[0].lower() in BOOLS)
+        if not eq and key in defaults:  # --key value, or a bare --flag for a boolean
+            flag = isinstance(defaults[key], bool) and not (args and args[0].lower() in BOOLS)
             assert flag or args and not args[0].startswith('--'), \
                 f"--{key} needs a value: write --{key}=VALUE"
             value = 'true' if flag else args.pop(0)
@@ -62,14 +62,16 @@ def typed(key, value, defaults):
 
 def read_preset(path, cfg):
     """A preset's `key = value` lines as a dict; a value may use earlier keys (n_ctx * 2)."""
+    if path.endswith('.pt'):  # python sample.py out/ckpt.pt
+        raise ValueError(f"{path} is a checkpoint, not a preset: pass it as --ckpt={path}")
     try:
         tree = ast.parse(read_text_file(path, 'preset file (see config/)'), path)
     except SyntaxError as e:
         raise ValueError(f"{path}:{e.lineno}: {e.msg}") from None
     scope, out = dict(cfg), {}
     for node in tree.body:
-        if isinstance(node, ast.Expr):
-            continue  # the docstring
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the docstring (a comparison, such as key == value, is no assignment)
         if not (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)):
             raise ValueError(f"{path}:{node.lineno}: a preset holds only `key = value` lines")
         try:

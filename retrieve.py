@@ -233,8 +233,9 @@ class PairBatches:
         for split in train.SPLITS:
             path = os.path.join(cfg['data_dir'], f'pairs_{split}.jsonl')
             queries, targets = read_pairs(path)
+            fix = '--negatives=inbatch' if need > cfg['batch_size'] else 'lower --batch_size'
             assert len(queries) >= need, f"{path} holds {len(queries)} pairs, fewer than the " \
-                f"{need} a batch needs (negatives={cfg['negatives']}): lower --batch_size"
+                f"{need} a batch needs (negatives={cfg['negatives']}): use {fix}, or more pairs"
             self.pairs[split] = tuple([[tok.bos_id] + ids for ids in tok.encode_batch(texts)]
                                       for texts in (queries, targets))
 
@@ -267,6 +268,10 @@ def cmd_train(cfg):
     src, encoder, n_ctx = embedder.info, embedder.encoder, embedder.n_ctx
     if resuming and src['kind'] != 'retrieval':
         raise ValueError(f"{path} is of kind {src['kind']!r}, not one of retrieve.py train's")
+    for key in ('pool', 'padding') if resuming else ():  # they define the run's embeddings
+        if getattr(encoder, key) != src[key]:
+            raise ValueError(f"--{key}={getattr(encoder, key)} contradicts {path}, trained with "
+                             f"{key}={src[key]}: drop the flag, or train into a new --out_dir")
     resume = train.load_checkpoint(path) if resuming else None     # with its optimizer state
     init_from = src['init_from'] if resuming else os.path.abspath(path)
     train.check_loop(cfg, resume)

@@ -55,8 +55,9 @@ def load(path, device, requested):
         raise ValueError(f"{path} is of kind {ckpt['kind']!r}: sample from a train.py checkpoint")
     mcfg = ckpt['model_config']
     if mcfg['objective'] not in ('clm', 'mtp2') or not mcfg['causal'] or mcfg['n_ctx'] < 2:
-        raise ValueError(f"{path} holds a {mcfg['objective']} model (causal={mcfg['causal']}, "
-                         f"n_ctx={mcfg['n_ctx']}): only causal clm/mtp2 ones, n_ctx >= 2, generate")
+        raise ValueError(f"{path} holds a model of objective {mcfg['objective']} (causal="
+                         f"{mcfg['causal']}, n_ctx={mcfg['n_ctx']}): only causal clm/mtp2 ones, "
+                         f"n_ctx >= 2, generate")
     tok = prepare.Tokenizer.from_checkpoint(ckpt)
     assert tok.vocab_size == mcfg['vocab_size'], (
         f"{path}: a tokenizer of {tok.vocab_size} pieces for a model of {mcfg['vocab_size']}: its "

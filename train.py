@@ -72,7 +72,7 @@ def check_loop(cfg, resume=None):
                 max_iters=0, max_time=0, eval_seconds=0, grad_clip=0, seed=0, warmup_iters=0,
                 lr=0, min_lr=0, weight_decay=0)
     for key, low in lows.items():
-        if not cfg[key] >= low:  # (nan too)
+        if not low <= cfg[key] < math.inf:  # (nan too; an infinite budget would never end)
             raise ValueError(f"--{key}={cfg[key]}: use {low} or more")
     if not (cfg['max_iters'] or cfg['max_time']):
         raise ValueError("no budget: set --max_iters and/or --max_time (s)")

@@ -149,6 +149,11 @@ REFUSALS = [
     ('train', ['--data_dir={tmp}/nope', OUT], '{tmp}/nope'),
     ('train', ['--data_dir={data}', '--out_dir={tmp}/none', '--init_from=resume'], '{tmp}/none'),
     ('train', ['{tmp}/notpreset.py'], 'notpreset.py'),  # a preset holds assignments only
+    ('train', ['{tmp}/compare.py'], 'compare.py:2'),  # == for =: not silently skipped
+    ('sample', ['{tmp}/cut/ckpt.pt'], '--ckpt={tmp}/cut/ckpt.pt'),  # a checkpoint as a preset
+    ('train', ['--overwite'], 'did you mean --overwrite'),  # a flag's typo, not "needs a value"
+    ('train', [*TRAIN, '--max_time=inf', '--max_iters=0'], 'max_time'),  # it would never end
+    ('bench', ['memory', '--mem_limit=-5'], 'mem_limit'),
     ('train', ['--out_dir={trained}', '{tmp}/latin1.txt'], 'latin1.txt'),
     ('sample', ['--out_dir={tmp}/none'], '{tmp}/none'),
     ('sample', ['--ckpt={tmp}/cut/ckpt.pt'], '{tmp}/cut/ckpt.pt'),
@@ -214,6 +219,7 @@ def scratch(tmp_path, data_dir):
     """The small files the refusal table names, each wrong in its own way."""
     for name, content in [('file', b'in the way'), ('blank.txt', b'  \n'),
                           ('notpreset.py', b'import os\nn_ctx = 64\n'),
+                          ('compare.py', b'"""doc"""\nmax_iters == 3\n'),
                           ('latin1.txt', 'déjà vu, naïve café\n'.encode('latin-1')),
                           ('latin1.jsonl',
                            '{"query": "café", "target": "naïve"}\n'.encode('latin-1') * 3),

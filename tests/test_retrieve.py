@@ -329,7 +329,8 @@ def test_indirect_trains_on_raw_hidden_states(corpus, capsys, tmp_path, monkeypa
 def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     """60 InfoNCE steps (mean-pooled, at another temperature) from an untrained LM beat chance 3x;
     the result is an ordinary model checkpoint that records its pooling, and --init_from=resume
-    continues it with the run's own keys (only --out_dir and the new budget given)."""
+    continues it with the run's own keys (only --out_dir and the new budget given), refusing a
+    pooling or padding other than the run's."""
     data, mixer, out_dir = corpus.data, corpus.mixer, tmp_path / 'ret'
     common = [f'--data_dir={data}', f'--out_dir={out_dir}', '--batch_size=16', '--lr=2e-3',
               '--warmup_iters=2', '--eval_interval=20', '--eval_iters=3', '--dtype=float32']
@@ -350,8 +351,10 @@ def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     assert ckpt['init_from'] == os.path.abspath(mixer)
     assert ckpt['tokenizer'] == train.load_checkpoint(mixer)['tokenizer']  # it carries its own
     train.model_from_checkpoint(ckpt)                    # loads strictly: the model's own keys
-    code, out, err = run_main(capsys, 'retrieve', 'train', '--init_from=resume', '--max_iters=70',
-                              f'--out_dir={out_dir}')
+    resume = ['train', '--init_from=resume', '--max_iters=70', f'--out_dir={out_dir}']
+    for flag in ('--pool=last', '--padding=left'):     # other embeddings than the run trained
+        refused(capsys, 'retrieve', [*resume, flag], f'{flag} contradicts', keep=[out_dir])
+    code, out, err = run_main(capsys, 'retrieve', *resume)
     assert code == 0, err
     ckpt = train.load_checkpoint(out_dir / 'ckpt.pt')
     assert ckpt['step'] == 70 and ckpt['pool'] == 'mean'
