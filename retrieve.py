@@ -115,10 +115,10 @@ class TextEncoder(torch.nn.Module):
     nothing, and the batch runs only as far as its longest text: each embedding is that of the
     text alone. Other encoders (causal=False and objective bidirectional read later positions;
     half blanks from the middle of what it runs) run the whole window, so that an embedding does
-    not depend on the other texts of its batch. Left
-    padding (the paper's §6.1) ends every text at window position n_ctx - 1, one position for a
-    mixer's per-position weights; there the text reads the pads before it (attention masks them
-    as keys, a masked mixer mixes them in, as in the paper), and the whole window runs.
+    not depend on the other texts of its batch. Left padding (the paper's §6.1) ends every text at
+    window position n_ctx - 1, one position for a mixer's per-position weights; there the text
+    reads the pads before it (attention masks them as keys, a masked mixer mixes them in, as in
+    the paper), and the whole window runs.
     Its state_dict is the model's, so its checkpoints are ordinary model checkpoints."""
 
     def __init__(self, model, pool='last', padding='right', normalize=True):
@@ -268,8 +268,8 @@ def cmd_train(cfg):
     src, encoder, n_ctx = embedder.info, embedder.encoder, embedder.n_ctx
     if resuming and src['kind'] != 'retrieval':
         raise ValueError(f"{path} is of kind {src['kind']!r}, not one of retrieve.py train's")
-    for key in ('pool', 'padding') if resuming else ():  # they define the run's embeddings
-        if getattr(encoder, key) != src[key]:
+    for key in ('pool', 'padding'):  # a resumed run keeps what defines its embeddings
+        if resuming and getattr(encoder, key) != src[key]:
             raise ValueError(f"--{key}={getattr(encoder, key)} contradicts {path}, trained with "
                              f"{key}={src[key]}: drop the flag, or train into a new --out_dir")
     resume = train.load_checkpoint(path) if resuming else None     # with its optimizer state
@@ -315,10 +315,10 @@ def cmd_train(cfg):
 
 def retrieval_metrics(score, N, ns, seed):
     """Top-1 accuracy (%) for each n of Table 1 (n-1 candidates: the query's target and n-2 others,
-    without replacement), and MRR@10 against all N targets. score(rows): the scores
-    (b, N) of queries `rows`, query i's match being target i. Each query draws one seeded order of
-    the other targets, whose first n-2 are its negatives for n: the candidate sets are nested, and
-    every retriever scored with one seed meets the same ones. A tie with a negative is a miss."""
+    without replacement), and MRR@10 against all N targets. score(rows): the scores (b, N) of
+    queries `rows`, query i's match being target i. Each query draws one seeded order of the other
+    targets, whose first n-2 are its negatives for n: the candidate sets are nested, and every
+    retriever scored with one seed meets the same ones. A tie with a negative is a miss."""
     gen = torch.Generator().manual_seed(seed)
     hits, rank = {n: 0 for n in ns}, torch.empty(N, dtype=torch.long)
     for a in range(0, N, 512):                                     # 512 queries at a time
