@@ -4,8 +4,8 @@ language modelling on chunks of files, each starting at window position 0, as re
 texts; retrieve.py train then fine-tunes it on their docstring -> code pairs (InfoNCE,
 mean-pooled). The budgets are steps, so the run is the same on any machine but for the dtype
 (auto: bf16 where the CPU has it natively, else float32) and the time: 7,000 here and 15,000 of
-InfoNCE, about 15 + 44 minutes on 2 cores of the AVX512-BF16 kind. config/codesearch_llama.py is the same run with a transformer. $SITE being this
-interpreter's site-packages:
+InfoNCE, about 15 + 44 minutes on 2 cores of the AVX512-BF16 kind. config/codesearch_llama.py
+is the same run with a transformer. $SITE being this interpreter's site-packages:
 python prepare.py text --input="$SITE/**/*.py" --exclude=tests --pairs=docstring \
     --holdout=matplotlib,mpl_toolkits,huggingface_hub,fontTools,networkx --out_dir=data/site
 python train.py config/codesearch_mixer.py
