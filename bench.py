@@ -222,6 +222,8 @@ def bench_generate(s):
     if s.prompt < 1 or s.new_tokens < 2:  # a stream starts from a token; a rate needs two stamps
         raise ValueError(f"--prompt={s.prompt} --new_tokens={s.new_tokens}: time a prompt of 1 "
                          f"token or more and 2 new tokens or more")
+    bad = set(s.methods.split(',')) - {'window', 'cache'}
+    assert not bad, f"--methods={s.methods}: a comma list of window and cache, not {bad}"
     if s.prompt + s.new_tokens > min(s.n_ctx):  # before any cell runs
         raise ValueError(f"--prompt={s.prompt} plus --new_tokens={s.new_tokens} exceeds "
                          f"n_ctx={min(s.n_ctx)}: shorten them or raise --n_ctx")

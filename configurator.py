@@ -117,11 +117,12 @@ def int_list(text, key, low=1):
 
 
 def read_text_file(path, what):
-    """A UTF-8 text file's contents; missing or not UTF-8: a one-line error naming it."""
+    """A UTF-8 text file's contents, without a byte-order mark; missing or not UTF-8: a one-line
+    error naming it."""
     if not os.path.isfile(path):
         raise ValueError(f"{what} {path} {'is a folder' if os.path.isdir(path) else 'not found'}")
     try:
-        return Path(path).read_text(encoding='utf-8')
+        return Path(path).read_text(encoding='utf-8-sig')
     except UnicodeDecodeError as e:
         raise ValueError(f"{what} {path} is not UTF-8 text (byte {e.start}): save it as UTF-8, "
                          f"e.g. iconv -f latin1 -t utf-8") from None
@@ -153,13 +154,13 @@ def write_atomic(path, data):
 def check_out_dir(out_dir, flag='out_dir'):
     """Fail before any work if the folder cannot be created or written."""
     if os.path.isfile(out_dir):
-        raise ValueError(f"--{flag}={out_dir} is a file: pass a folder")
+        raise ValueError(f"{out_dir} is a file, not a folder: pass another --{flag}")
     try:
         os.makedirs(out_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=out_dir).close()
-    except OSError as e:
-        raise ValueError(f"cannot write to --{flag}={out_dir} ({e.strerror or e}): pass a "
-                         f"writable folder") from None
+    except OSError as e:  # (the folder of an output file's flag, or the flag's own folder)
+        raise ValueError(f"cannot write to the folder {out_dir} ({e.strerror or e}): pass a "
+                         f"--{flag} where one can write") from None
 
 
 def check_output_file(path, flag, overwrite=False):

@@ -128,9 +128,10 @@ def split_of(key, val_share):
 
 
 def eot_documents(path):
-    """A text file's documents, cut at <|endoftext|> lines; bytes not UTF-8 become U+FFFD."""
+    """A text file's documents, cut at <|endoftext|> lines; bytes not UTF-8 become U+FFFD, and a
+    byte-order mark (which Python's parser refuses in a str) is dropped."""
     lines = []
-    with open(path, encoding='utf-8', errors='replace') as f:
+    with open(path, encoding='utf-8-sig', errors='replace') as f:
         for line in f:
             if line.strip() == EOT:
                 yield ''.join(lines)
@@ -508,15 +509,16 @@ def commit(out_dir, meta):
 
 def carve(read):
     """documents() for a corpus too small for the split by key to fill both splits: val gets its
-    last tenth (at least one), counted in documents, or in lines when it is a single one."""
+    last tenth (at least one), counted in documents, or in characters when it is a single one (from
+    the next line's start, if one comes before the end)."""
     def documents():
         yield from (doc for doc in read() if doc[0] == 'heldout')
         docs = [doc[1:] for doc in read() if doc[0] != 'heldout']  # a small corpus: in memory
         if len(docs) == 1:
             key, text = docs[0]
-            lines = text.splitlines(True)
-            cut = len(lines) - max(1, round(len(lines) / 10))
-            train, val = ''.join(lines[:cut]), ''.join(lines[cut:])
+            at = len(text) - max(1, len(text) // 10)
+            cut = text.find('\n', at, len(text) - 1) + 1 or at  # lines of any length: not counted
+            train, val = text[:cut], text[cut:]
             if not (train.strip() and val.strip()):
                 raise ValueError('the input is too small to split into train and val: give more')
             docs = [(key, train), (f'{key}#val', val)]
@@ -626,7 +628,7 @@ DEFAULTS = dict(
     holdout='',           # as exclude, but their pairs go to pairs_heldout.jsonl (a test set)
     pairs='',             # retrieval pairs: docstring (pystdlib, text) or ict; '' = the dataset's
     max_docs=0,           # keep the first N training documents (the paper: 2000000); 0 = all
-    max_tokens=0,         # stop once the training split holds N tokens; 0 = no limit
+    max_tokens=0,         # stop after the document that brings train to N tokens; 0 = no limit
     hub_url=os.environ.get('HF_ENDPOINT', 'https://huggingface.co').rstrip('/'),  # hub address
     download_dir=os.path.join('data', 'downloads'),  # hub files; put them here for an offline run
     overwrite=False,      # replace data that out_dir holds, prepared from other inputs or options

@@ -15,7 +15,7 @@ python retrieve.py COMMAND --help lists its keys; train and indirect run train.p
 n counts as Table 1's caption does: one query, its matching target and n-2 non-matching targets,
 so n-1 candidates (chance 1/(n-1)); indirect's c and train's paper negatives count the same way.
 """
-import contextlib, hashlib, json, math, os, re, sys
+import hashlib, json, math, os, re, sys
 
 import numpy as np
 import torch
@@ -267,7 +267,8 @@ def cmd_train(cfg):
     embedder = Embedder(path, 'cpu', pool=cfg['pool'], padding=cfg['padding'])  # fit: device
     src, encoder, n_ctx = embedder.info, embedder.encoder, embedder.n_ctx
     if resuming and src['kind'] != 'retrieval':
-        raise ValueError(f"{path} is of kind {src['kind']!r}, not one of retrieve.py train's")
+        raise ValueError(f"{path} is of kind {src['kind']!r}, not one of retrieve.py train's: "
+                         f"train into another --out_dir, or replace that run with --overwrite")
     for key in ('pool', 'padding'):  # a resumed run keeps what defines its embeddings
         if resuming and getattr(encoder, key) != src[key]:
             raise ValueError(f"--{key}={getattr(encoder, key)} contradicts {path}, trained with "
@@ -539,14 +540,14 @@ def cmd_search(cfg):
     """The chunks of --docs (functions, methods, runs of lines) nearest the query."""
     embedder = Embedder(cfg['ckpt'], **{k: cfg[k] for k in EMBED})
     assert cfg['k'] >= 1 and cfg['show'] >= 0, "--k: 1 chunk or more; --show: 0 lines or more"
-    files = {}   # path: text; each text file, and each UTF-8 file under each folder
+    files = {}   # path: text; each text file, and each file under each folder that is not binary
     for path in cfg['docs'].split(','):
         if not os.path.isdir(path):  # named: missing or not UTF-8 is an error
             files[path] = read_text_file(path, '--docs')
             continue
         for f in (f for f in visible_files(path) if not binary(f)):  # hidden ones left out
-            with contextlib.suppress(ValueError):  # not UTF-8: skipped
-                files[f] = read_text_file(f, 'document')
+            with open(f, encoding='utf-8-sig', errors='replace') as text:  # as prepare.py reads
+                files[f] = text.read()
     with open(cfg['ckpt'], 'rb') as f:
         key = ' '.join([hashlib.file_digest(f, 'sha256').hexdigest(), embedder.encoder.pool,
                         embedder.encoder.padding])

@@ -304,7 +304,8 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
             report(log, f"step {step}: train loss {train_loss:.4f}, val loss {val_loss:.4f}",
                    step=step, train_loss=train_loss, val_loss=val_loss, tokens_seen=tokens_seen,
                    time=round(train_time, 3))
-            improved, best_val = val_loss < best_val, min(best_val, val_loss)
+            improved = step > 0 and val_loss < best_val  # step 0 is never saved: no best
+            best_val = val_loss if improved else best_val
             # all the next step depends on (restored above): no RNG state, as the only draws are
             # the batches', keyed by step (batch_rng); step and train_time also set the lr
             if master and step > 0:
@@ -515,7 +516,8 @@ def train_lm(argv):
         resume = load_checkpoint(path, "to resume, pass the run's --out_dir, or start afresh "
                                        "with --init_from=scratch")
         if resume['kind'] != 'lm':
-            raise ValueError(f"{path} is of kind {resume['kind']!r}, not one of train.py's")
+            raise ValueError(f"{path} is of kind {resume['kind']!r}, not one of train.py's: train "
+                             f"into another --out_dir, or replace that run with --overwrite")
         # the run's own keys are the defaults now (the folder may have moved); flags still win
         run = {**DEFAULTS, **resume['config'], 'out_dir': cfg['out_dir']}
         cfg = parse_args(argv, run, __doc__, CHOICES)

@@ -154,6 +154,7 @@ REFUSALS = [
     ('train', ['--overwite'], 'did you mean --overwrite'),  # a flag's typo, not "needs a value"
     ('train', [*TRAIN, '--max_time=inf', '--max_iters=0'], 'max_time'),  # it would never end
     ('bench', ['memory', '--mem_limit=-5'], 'mem_limit'),
+    ('bench', ['generate', *BENCH_TINY, '--methods=cache,windw'], 'windw'),  # before any cell
     ('train', ['--out_dir={trained}', '{tmp}/latin1.txt'], 'latin1.txt'),
     ('sample', ['--out_dir={tmp}/none'], '{tmp}/none'),
     ('sample', ['--ckpt={tmp}/cut/ckpt.pt'], '{tmp}/cut/ckpt.pt'),
@@ -190,7 +191,10 @@ REFUSALS = [
     # a resume that cannot continue: a model flag against its checkpoint, a cut or foreign one
     *[('train', [*RESUME, arg], arg[2:].split('=')[0]) for arg in ['--arch=llama', '--n_ctx=16']],
     ('train', ['--data_dir={data}', '--out_dir={tmp}/cut', *TINY, '--init_from=resume'], 'ckpt.pt'),
-    ('train', ['--out_dir={tmp}/nce', '--init_from=resume'], "of kind 'retrieval'"),
+    ('train', ['--out_dir={tmp}/nce', '--init_from=resume'],
+     "of kind 'retrieval', not one of train.py's: train into another --out_dir"),
+    ('retrieve', ['train', '--init_from=resume', '--data_dir={pairs}', '--out_dir={trained}'],
+     "of kind 'lm', not one of retrieve.py train's: train into another --out_dir"),
     # a finished run, replaced only when asked: the refusal names the flag to continue or replace it
     ('train', ['--data_dir={data}', '--out_dir={trained}', *TINY], '--init_from=resume'),
     ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--out_dir={tmp}/run'],

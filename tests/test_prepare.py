@@ -1,6 +1,6 @@
 """prepare.py: the default corpus, tokenizers, retrieval pairs, the hub datasets from a local
 stand-in server (fixture `hub`)."""
-import hashlib, http.server, io, json, os, platform, random, re, signal, socket, subprocess
+import codecs, hashlib, http.server, io, json, os, platform, random, re, signal, socket, subprocess
 import shutil, sys, threading, time, types, urllib.parse
 
 import numpy as np
@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import prepare
+import configurator, prepare
 from prepare import Tokenizer, docstring_pairs, ict_pairs
 from tests.conftest import HERE, tokenizer, train_run, run_main, refused
 
@@ -300,8 +300,9 @@ def test_small_corpus_gets_a_val_split(n_files, tmp_path, capsys):
     assert len(warnings) == 1 and 'vocab_size' in warnings[0], warnings
     meta, docs, _ = read_folder(tmp_path / 'data')
     assert meta['val_tokens'] > 0 and meta['train_tokens'] > meta['val_tokens']
-    if n_files == 1:  # val is the last tenth of its 120 lines
-        assert docs['val'] == [''.join(code.splitlines(True)[-12:])]
+    if n_files == 1:  # val: the last tenth of its characters, from a line start
+        val, = docs['val']
+        assert code.endswith('\n' + val) and len(code) // 20 < len(val) <= len(code) // 10
     else:  # all 12 hash to train, so val is carved, before --max_docs cuts train: the same val
         assert 'val is the end of the corpus' in out.out
         assert prepare.main(['text', f'--input={tmp_path}/src', f'--out_dir={tmp_path}/two',
@@ -314,6 +315,28 @@ def test_small_corpus_gets_a_val_split(n_files, tmp_path, capsys):
     argv = ['text', f'--input={tmp_path}/src/tiny.txt', f'--out_dir={tmp_path}/data']
     refused(capsys, 'prepare', argv, '--overwrite', keep=[tmp_path / 'data'])  # other inputs
     refused(capsys, 'prepare', [*argv, '--overwrite'], 'too small', keep=[tmp_path / 'data'])
+
+
+def test_one_file_of_long_lines_gives_val_a_tenth(tmp_path):
+    """A single document's val is its last tenth in characters (counted in lines, a file of two long
+    lines gave val half the text, and a form feed counted as a line break)."""
+    words = ' '.join(f'w{i % 50}' for i in range(600))
+    for name, text in (('lines', f'{words}\n{words}\n'), ('ff', f'{words}\f{words}')):
+        (tmp_path / f'{name}.txt').write_text(text)
+        assert prepare.main(['text', f'--input={tmp_path}/{name}.txt', '--vocab_size=100000',
+                             f'--out_dir={tmp_path}/{name}']) == 0
+        (train_text,), (val,) = (read_folder(tmp_path / name)[1][s] for s in ('train', 'val'))
+        assert train_text + val == text and len(val) == len(text) // 10, name
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    """A UTF-8 file saved with a byte-order mark reads as without one, in a corpus and in a named
+    file: Python's parser refuses U+FEFF in a str, so such files had no docstring pairs."""
+    src = 'def add(x):\n    """Add one."""\n    return x + 1\n'
+    (tmp_path / 'bom.py').write_bytes(codecs.BOM_UTF8 + src.encode())
+    assert list(prepare.eot_documents(tmp_path / 'bom.py')) == [src]
+    assert configurator.read_text_file(str(tmp_path / 'bom.py'), 'file') == src
+    assert list(prepare.docstring_pairs(src)) == [('Add one.', 'def add(x):\n    return x + 1')]
 
 
 def test_a_failed_prepare_leaves_no_temporary_files(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """retrieve.py: InfoNCE (eq. 7), the Algorithm 1 samplers, the many-candidate eval, indirect
 retrieval, search, training."""
-import json, math, os, random, re, shutil, sys, types
+import codecs, json, math, os, random, re, shutil, sys, types
 
 import numpy as np
 import pytest
@@ -401,8 +401,9 @@ def test_train_updates_only_what_embeddings_use(corpus, capsys, tmp_path):
 
 def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
     """A function's own text finds it first, at cosine 1, printed as path:first-last with its first
-    lines (binary files skipped), and first too fused with BM25 (--hybrid). A second call embeds
-    nothing; an edited file alone is embedded again, a deleted one leaves the index; another
+    lines (binary files skipped, the others read as prepare.py reads them: a file with a byte-order
+    mark and a Latin-1 byte is searched), and first too fused with BM25 (--hybrid). A second call
+    embeds nothing; an edited file alone is embedded again, a deleted one leaves the index; another
     checkpoint's index (or its own, trained on since) is built afresh."""
     rng, texts = random.Random(2), []
     for i in range(4):   # three functions a file, at lines 1-2, 4-5 and 7-8
@@ -412,6 +413,8 @@ def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
     (tmp_path / 'docs').mkdir()
     for i, text in enumerate(texts[:3]):
         (tmp_path / f'docs/d{i}.py').write_text(text)
+    latin1 = texts[0].replace('\n', '#\xe9\n', 1).encode('latin-1')  # not UTF-8: U+FFFD
+    (tmp_path / 'docs/d0.py').write_bytes(codecs.BOM_UTF8 + latin1)  # the BOM: no text
     (tmp_path / 'docs/blob.bin').write_bytes(b'\x89PNG\r\n\x1a\n\0')
     (tmp_path / 'docs/nul.py').write_text('x = 1\0\n')  # UTF-8, but binary by prepare's rule
     (tmp_path / 'more.txt').write_text(texts[3])

@@ -286,7 +286,8 @@ def test_a_cpu_names_the_demo_the_prepare_command_and_the_device(argv, says, dat
 def test_resume_and_fresh_runs_name_the_way_out(data, tmp_path, monkeypatch, capsys):
     """No checkpoint to resume: start afresh (--init_from=scratch). A folder holding a log but no
     checkpoint: --overwrite only. Resuming a spent budget says so at once, naming --max_iters and
-    --max_time, and evaluates nothing again. --overwrite starts the run afresh."""
+    --max_time, and evaluates nothing again. --overwrite starts the run afresh. A run that never
+    beats its first evaluation (lr 0) still writes best.pt: step 0's weights are never saved."""
     argv = [f'--data_dir={data}', f'--out_dir={tmp_path}', *TINY, '--max_iters=4']
     refused(capsys, 'train', [*argv, '--init_from=resume'], 'start afresh with --init_from=scratch')
     (tmp_path / 'log.jsonl').write_text('')
@@ -301,6 +302,9 @@ def test_resume_and_fresh_runs_name_the_way_out(data, tmp_path, monkeypatch, cap
     monkeypatch.undo()
     assert train_run(data, tmp_path, '--max_iters=2', '--eval_interval=2', '--overwrite') == 0
     assert max(r['step'] for r in records(tmp_path, 'loss')) == 2
+    assert weights(tmp_path, 'best.pt')['step'] == 2
+    assert train_run(data, tmp_path, '--lr=0', '--max_iters=2', '--eval_interval=2',
+                     '--overwrite') == 0
     assert weights(tmp_path, 'best.pt')['step'] == 2
 
 
