@@ -517,7 +517,7 @@ def carve(read):
         if len(docs) == 1:
             key, text = docs[0]
             at = len(text) - max(1, len(text) // 10)
-            cut = text.find('\n', at, len(text) - 1) + 1 or at  # lines of any length: not counted
+            cut = text.find('\n', at, len(text) - 1) + 1 or at  # a line's start, else mid-line
             train, val = text[:cut], text[cut:]
             if not (train.strip() and val.strip()):
                 raise ValueError('the input is too small to split into train and val: give more')
