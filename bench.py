@@ -28,9 +28,9 @@ import torch
 from model import ARCHS, Backbone, Mixing, ModelConfig, allowed, build_model, flops_per_token
 from configurator import check_output_file, int_list, parse_args, run_main, write_atomic
 from sample import compiled_step, decode_layout
-from train import (CHOICES, DEFAULTS as TRAIN_DEFAULTS, Batches, autocast, choose_dtype,
-                   peak_flops, check_run_dir, configure_optimizer, load_checkpoint, load_meta,
-                   model_from_checkpoint, resolve_device, sync)
+from train import (CHOICES, DEFAULTS as TRAIN_DEFAULTS, MODEL_KEYS, Batches, autocast,
+                   check_loop, check_run_dir, choose_dtype, configure_optimizer, load_checkpoint,
+                   load_meta, model_from_checkpoint, peak_flops, resolve_device, sync)
 
 DEFAULTS = dict(
     mode='',                # the MODE, the first bare word
@@ -605,7 +605,10 @@ def race_settings(argv, cell=''):
         mine = presets[i:i + 1] + shared + per_arch.get(arch, [])
         s.runs[arch] = flags(base) + mine + flags(forced)
         cfgs[arch] = parse_args(s.runs[arch], TRAIN_DEFAULTS, doc, CHOICES)
-        assert cfgs[arch]['arch'] == arch, f"{arch}: list --presets in --archs order"
+        assert cfgs[arch]['arch'] == arch, (f"{arch}: its preset sets arch={cfgs[arch]['arch']}: "
+                                            f"list --presets in --archs order, one per arch")
+        ModelConfig(**{k: cfgs[arch][k] for k in MODEL_KEYS})  # bad shapes and loop keys fail
+        check_loop(cfgs[arch])                                   # here, not in the runs
         for key in SAME_BATCHES:
             assert cfgs[arch][key] == cfgs[s.archs[0]][key], \
                 f"{arch} would evaluate on other batches ({key}): set --{key} for all archs"

@@ -186,3 +186,6 @@ def run_main(body, interrupted='interrupted'):
     except KeyboardInterrupt:
         print(interrupted, file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (| head): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

@@ -174,12 +174,8 @@ def sample(argv):
         print(f'compiled the cached step in {time.perf_counter() - t0:.1f} s (once per process; '
               f'not in the tokens/s below)', file=sys.stderr)
     t0 = time.perf_counter()
-    try:
-        generator = torch.Generator(device=device).manual_seed(args.seed)
-        n_new = write_samples(model, tok, ids, args, generator, step)
-    except BrokenPipeError:  # the reader went away (| head): stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    n_new = write_samples(model, tok, ids, args, generator, step)  # | head: see run_main
     dt = time.perf_counter() - t0
     print(f'{n_new} tokens ({args.num_samples} sample{"s" * (args.num_samples > 1)} in one batch) '
           f'in {dt:.2f} s ({n_new / max(dt, 1e-9):.1f} tokens/s)', file=sys.stderr)

@@ -276,6 +276,8 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
             scaler.load_state_dict(resume['scaler'])
         step, tokens_seen, train_time, best_val = (
             resume[k] for k in ('step', 'tokens_seen', 'train_time', 'best_val'))
+        if any(cfg.get(k) != resume['config'].get(k) for k in EVAL_KEYS):  # evaluated otherwise
+            best_val = float('inf')  # now: best.pt is chosen afresh, not against another loss
         if master and os.path.exists(log):  # drop what a run killed after this checkpoint logged
             lines = Path(log).read_text().splitlines(keepends=True)  # kill -9 may cut the last
             kept = [r for r in lines if r.endswith('\n') and json.loads(r)['step'] <= step]
@@ -408,6 +410,8 @@ def model_from_checkpoint(ckpt):
 
 
 RUN_FILES = ('ckpt.pt', 'best.pt', 'log.jsonl')  # what makes an out_dir hold a training run
+EVAL_KEYS = ('batch_size', 'eval_iters', 'seed', 'batch_mode', 'padding',  # the val batches
+             'tau', 'symmetric', 'negatives')  # and retrieve.py's loss
 
 
 def check_run_dir(out_dir, fresh, overwrite, resumable=True):

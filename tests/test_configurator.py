@@ -155,6 +155,8 @@ REFUSALS = [
     ('train', [*TRAIN, '--max_time=inf', '--max_iters=0'], 'max_time'),  # it would never end
     ('bench', ['memory', '--mem_limit=-5'], 'mem_limit'),
     ('bench', ['generate', *BENCH_TINY, '--methods=cache,windw'], 'windw'),  # before any cell
+    *[('bench', ['race', '--data_dir={data}', '--out_dir={tmp}/race', '--max_time=1', arg], key)
+      for arg, key in [('--llama.n_heads=3', 'n_heads=3'), ('--eval_iters=0', 'eval_iters')]],
     ('train', ['--out_dir={trained}', '{tmp}/latin1.txt'], 'latin1.txt'),
     ('sample', ['--out_dir={tmp}/none'], '{tmp}/none'),
     ('sample', ['--ckpt={tmp}/cut/ckpt.pt'], '{tmp}/cut/ckpt.pt'),
@@ -281,6 +283,18 @@ def test_run_from_the_shell_exits_2_without_traceback(argv, says, tmp_path):
     r = subprocess.run([sys.executable, os.path.join(HERE, argv[0]), *argv[1:]], cwd=tmp_path,
                        capture_output=True, text=True, env=ENV)
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and r.stderr.startswith(says), r
+
+
+def test_a_reader_that_goes_away_stops_a_script_quietly(data, tmp_path):
+    """`python train.py ... | head -1`: the line after the reader has gone ends the run with status
+    0 and no traceback (run_main, as for every script), its checkpoints as they were."""
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, 'train.py'), f'--data_dir={data}',
+                             f'--out_dir={tmp_path}', *TINY, '--log_interval=1', '--max_iters=0',
+                             '--max_time=60'], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=ENV)
+    proc.stdout.readline()
+    proc.stdout.close()
+    assert proc.wait(timeout=60) == 0 and b'Traceback' not in proc.stderr.read()
 
 
 def doc_commands(*docs):

@@ -287,7 +287,9 @@ def test_resume_and_fresh_runs_name_the_way_out(data, tmp_path, monkeypatch, cap
     """No checkpoint to resume: start afresh (--init_from=scratch). A folder holding a log but no
     checkpoint: --overwrite only. Resuming a spent budget says so at once, naming --max_iters and
     --max_time, and evaluates nothing again. --overwrite starts the run afresh. A run that never
-    beats its first evaluation (lr 0) still writes best.pt: step 0's weights are never saved."""
+    beats its first evaluation (lr 0) still writes best.pt: step 0's weights are never saved. A
+    resume that evaluates otherwise (--eval_iters) chooses best.pt afresh, not against a best
+    measured on other batches."""
     argv = [f'--data_dir={data}', f'--out_dir={tmp_path}', *TINY, '--max_iters=4']
     refused(capsys, 'train', [*argv, '--init_from=resume'], 'start afresh with --init_from=scratch')
     (tmp_path / 'log.jsonl').write_text('')
@@ -306,6 +308,11 @@ def test_resume_and_fresh_runs_name_the_way_out(data, tmp_path, monkeypatch, cap
     assert train_run(data, tmp_path, '--lr=0', '--max_iters=2', '--eval_interval=2',
                      '--overwrite') == 0
     assert weights(tmp_path, 'best.pt')['step'] == 2
+    for max_iters, extra, best in (4, [], 2), (6, ['--eval_iters=3'], 6):
+        torch.save({**weights(tmp_path), 'best_val': -1.0}, tmp_path / 'ckpt.pt')  # unbeatable
+        assert train_run(data, tmp_path, '--init_from=resume', f'--max_iters={max_iters}',
+                         '--eval_interval=2', *extra) == 0
+        assert weights(tmp_path, 'best.pt')['step'] == best
 
 
 def test_resume_takes_the_run_from_its_checkpoint(data, tmp_path, capsys):
