@@ -431,9 +431,9 @@ def load_meta(data_dir):
     path = os.path.join(data_dir, 'meta.json')
     if not os.path.isfile(path):
         name = os.path.basename(os.path.normpath(data_dir))  # a preset's data/NAME: dataset NAME
-        dataset = name if name in DATASETS else 'DATASET'
+        dataset = name if name in DATASETS else 'text --input=FILES'  # your own files
         raise ValueError(f"no prepared data at {data_dir}: run python prepare.py {dataset} "
-                         f"--out_dir={data_dir} (a preset's docstring gives its options), or "
+                         f"--out_dir={data_dir} (a preset's docstring gives the command), or "
                          f"pass --data_dir where it moved")
     try:
         meta = json.loads(Path(path).read_text())
