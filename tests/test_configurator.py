@@ -287,7 +287,7 @@ def test_run_from_the_shell_exits_2_without_traceback(argv, says, tmp_path):
 
 def test_a_reader_that_goes_away_stops_a_script_quietly(data, tmp_path):
     """`python train.py ... | head -1`: the line after the reader has gone ends the run with status
-    0 and no traceback (run_main, as for every script), its checkpoints as they were."""
+    0 and no traceback (run_main, as for every script)."""
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, 'train.py'), f'--data_dir={data}',
                              f'--out_dir={tmp_path}', *TINY, '--log_interval=1', '--max_iters=0',
                              '--max_time=60'], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
