@@ -67,7 +67,9 @@ class Mixing(nn.Module):
         # kernel > 1 (paper §9.2): the paper's Conv1d, its channels a head's input positions, a
         # kernel-wide window sliding along the head's c features ('same' padding). W is (H, k, R,
         # S): forward's tril, on its last two dims, has masked every tap alike.
-        H, k = W.shape[:2]
+        H, k, R = W.shape[:3]
+        if R == 0:  # no rows (a step past an expanded mixer's e * n_ctx hidden ones): conv1d can't
+            return x[:, :, :0]
         x = F.pad(rearrange(x, 'b h s c -> b (h s) c'), ((k - 1) // 2, k // 2))
         y = F.conv1d(x, rearrange(W, 'h k r s -> (h r) s k'), groups=H)  # (B, H * R, c)
         return rearrange(y, 'b (h r) c -> b h r c', h=H)

@@ -427,7 +427,7 @@ def train_tokenizer(documents, stride, vocab_size, path):
             pad_id=3, num_threads=2, minloglevel=2)
     except RuntimeError as e:  # sentencepiece's complaint, on one line
         why = str(e).strip().partition('\n')[0]
-        if 'required_chars' in why:
+        if 'required_chars' in why or vocab_size <= 260:  # (260: bytes and special pieces)
             why = (f'--vocab_size={vocab_size} is too small for this corpus: raise it to 260 '
                    f'plus one per distinct character')
         raise ValueError(f'tokenizer training failed: {why}') from None

@@ -37,6 +37,7 @@ VARIANTS = [
     dict(arch='mixer', kernel=2),                                  # asymmetric 'same' padding
     dict(arch='mixer', expansion=2.0), dict(arch='mixer', expansion=0.5),  # rows past / short of n
     dict(arch='mixer', expansion=1.5, kernel=3), dict(arch='mixer', n_convs=3),
+    dict(arch='mixer', expansion=0.5, kernel=3),                   # a step past its hidden rows
     dict(arch='mixer', n_heads=4), dict(arch='mixer', softmax=True),
     dict(arch='mixer', n_heads=2, kernel=3, softmax=True, n_convs=2),
     dict(arch='mixer', pos_emb=True), dict(arch='mixer', pos_channel='input'),

@@ -171,6 +171,7 @@ REFUSALS = [
     ('prepare', ['text', '--input=does/not/exist', OUT], 'does/not/exist'),
     ('prepare', ['text', '--input={tmp}/empty', OUT], '{tmp}/empty'),
     ('prepare', ['text', '--input={tmp}/blank.txt', OUT], 'empty'),
+    ('prepare', ['text', '--input={tmp}/ascii.txt', '--vocab_size=2', OUT], '--vocab_size=2'),
     ('prepare', ['pystdlib', '--tokenizer=missing.model', OUT], 'missing.model'),
     ('prepare', ['pystdlib', '--tokenizer={tmp}/blank.txt', OUT], 'blank.txt'),
     ('retrieve', ['search', '--ckpt={mixer}', '--docs={tmp}/ascii.txt', '--query=x',
