@@ -17,7 +17,7 @@ def parse_args(argv, defaults, doc, choices=None, positional=None, modes=None):
     while args:
         arg = args.pop(0)
         if arg in ('-h', '--help'):
-            print(doc, help_text(defaults, sys._getframe(1).f_globals['__file__']), sep='\n')
+            print(doc, help_text(cfg, sys._getframe(1).f_globals['__file__']), sep='\n')
             raise SystemExit(0)
         if not arg.startswith('--'):
             cfg.update({k: typed(k, v, defaults) for k, v in read_preset(arg, cfg).items()})
@@ -82,9 +82,10 @@ def read_preset(path, cfg):
     return out
 
 
-def help_text(defaults, script):
-    """A line per key: --key=default and the comment beside its `dict(...)` keyword or dataclass
-    field in the script, train.py or model.py, one beside this very value first (a mode's)."""
+def help_text(values, script):
+    """A line per key: --key=value (the default, or a preset's) and the comment beside its
+    `dict(...)` keyword or dataclass field in the script, train.py or model.py, one beside this
+    very value first (a mode's)."""
     here, notes = os.path.dirname(os.path.abspath(__file__)), {}
     for path in (script, os.path.join(here, 'train.py'), os.path.join(here, 'model.py')):
         lines = Path(path).read_text(encoding='utf-8').splitlines()
@@ -103,7 +104,7 @@ def help_text(defaults, script):
                     notes.setdefault(key, []).append((ast.unparse(value), note))
     keys = [f"  --{key}={value!r}".ljust(30) + '  ' + next(
         (n for v, n in notes.get(key, []) if v == repr(value)), notes.get(key, [(0, '')])[0][1])
-        for key, value in defaults.items()]
+        for key, value in values.items()]
     return '\n'.join(['keys and defaults:'] + [line.rstrip() for line in keys])
 
 

@@ -59,9 +59,12 @@ def help_text(capsys, *argv):
 
 def test_help_shows_each_keys_default_and_comment_from_the_source(capsys):
     """Each key with its default and the comment beside it where the default is defined; a mode
-    (bench.py memory, retrieve.py indirect) with its own defaults; the commands and datasets."""
+    (bench.py memory, retrieve.py indirect) with its own defaults; after a preset, its values; the
+    commands and datasets."""
     _, keys = help_text(capsys, 'train', '--help')
     assert 'context window' in keys['n_ctx']                    # ModelConfig's comment
+    _, keys = help_text(capsys, 'train', os.path.join(HERE, 'config/demo.py'), '--help')
+    assert keys['max_iters'].split()[0] == '--max_iters=800'   # config/demo.py's, not 5000
     assert 'sequences per micro-batch' in keys['batch_size']    # LOOP_DEFAULTS' comment
     assert 'packed: random windows' in keys['batch_mode']       # DEFAULTS' own
     _, keys = help_text(capsys, 'sample', '-h')
