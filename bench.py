@@ -28,9 +28,10 @@ import torch
 from model import ARCHS, Backbone, Mixing, ModelConfig, allowed, build_model, flops_per_token
 from configurator import check_output_file, int_list, parse_args, run_main, write_atomic
 from sample import compiled_step, decode_layout
-from train import (CHOICES, DEFAULTS as TRAIN_DEFAULTS, MODEL_KEYS, Batches, autocast,
-                   check_loop, check_run_dir, choose_dtype, configure_optimizer, load_checkpoint,
-                   load_meta, model_from_checkpoint, peak_flops, resolve_device, sync)
+from train import (CHOICES, DEFAULTS as TRAIN_DEFAULTS, EVAL_KEYS, MODEL_KEYS, Batches,
+                   autocast, check_loop, check_run_dir, choose_dtype, configure_optimizer,
+                   load_checkpoint, load_meta, model_from_checkpoint, peak_flops, resolve_device,
+                   sync)
 
 DEFAULTS = dict(
     mode='',                # the MODE, the first bare word
@@ -453,8 +454,6 @@ RACE_DEFAULTS = dict(
 RACE_TRAIN = dict(d_model=256, n_layers=4, n_ctx=256, batch_size=16, warmup_iters=50, eval_iters=4,
                   log_interval=10, max_iters=0)
 RACE_LR = {'mixer': 5e-3, 'gmlp': 5e-3}  # else 1.5e-3 (config/codesearch_*.py's CPU-sized rates)
-SAME_BATCHES = ('data_dir', 'n_ctx', 'batch_size', 'eval_iters', 'seed', 'batch_mode', 'padding',
-                'objective')
 
 
 def race(argv):
@@ -609,8 +608,8 @@ def race_settings(argv, cell=''):
                                             f"list --presets in --archs order, one per arch")
         ModelConfig(**{k: cfgs[arch][k] for k in MODEL_KEYS})  # bad shapes and loop keys fail
         check_loop(cfgs[arch])                                   # here, not in the runs
-        for key in SAME_BATCHES:
-            assert cfgs[arch][key] == cfgs[s.archs[0]][key], \
+        for key in EVAL_KEYS:  # (retrieve.py's keys among them: None in every arch's)
+            assert cfgs[arch].get(key) == cfgs[s.archs[0]].get(key), \
                 f"{arch} would evaluate on other batches ({key}): set --{key} for all archs"
     first = cfgs[s.archs[0]]
     s.n_ctx, s.batch_size = first['n_ctx'], first['batch_size']

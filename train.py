@@ -410,8 +410,8 @@ def model_from_checkpoint(ckpt):
 
 
 RUN_FILES = ('ckpt.pt', 'best.pt', 'log.jsonl')  # what makes an out_dir hold a training run
-EVAL_KEYS = ('data_dir', 'batch_size', 'eval_iters', 'seed', 'batch_mode', 'padding',  # val
-             'tau', 'symmetric', 'negatives')  # batches, and retrieve.py's loss
+EVAL_KEYS = ('data_dir', 'n_ctx', 'batch_size', 'eval_iters', 'seed', 'batch_mode', 'padding',
+             'objective', 'tau', 'symmetric', 'negatives')  # what an evaluation measures
 
 
 def check_run_dir(out_dir, fresh, overwrite, resumable=True):
