@@ -231,7 +231,8 @@ def bench_generate(s):
     gen = torch.Generator().manual_seed(s.seed)
     for cfg in grid(s):
         torch.manual_seed(s.seed)
-        model = decode_layout(build_model(cfg).to(s.dev, s.torch_dtype).eval())  # as sample.py
+        model = build_model(cfg).to(s.dev, s.torch_dtype).eval()
+        model = decode_layout(model)  # the weights laid out as sample.py lays them
         if s.compile:  # each model's step is one more graph: stay under the recompile limit
             torch._dynamo.reset()
         step = compiled_step(model) if s.compile else None
@@ -475,7 +476,8 @@ def race(argv):
 
     out_dir holds ARCH/ (train.py's run, its ckpt.pt ready for retrieve.py train --init_from),
     ARCH.out (its console), race.md, race.json (settings, curves, table) and race.png. Ctrl-C
-    stops every run (its checkpoint whole), still writes what was measured and exits 130.
+    stops every run (its checkpoint whole), still writes what was measured and exits 130; a run
+    that fails (diverged, say: see ARCH.out) keeps its evaluations, and the race exits 1.
 
     --n_ctx=64,256,1024 (the paper's fig 4) runs a race per n_ctx, one after another, in
     out_dir/ctxN, with batch_size x n_ctx held at the first race's (or --batch_size=64,16,4, one
@@ -483,23 +485,25 @@ def race(argv):
     writes out_dir/context.md (per race: steps and best val loss per arch, the differences)."""
     cells = race_cells(argv)
     if len(cells) == 1:
-        rows, interrupted = race_cell(cells[0])
-        return 130 if interrupted else rows
+        rows, code = race_cell(cells[0])
+        return code or rows
     s, rows, folder = cells[0], [], os.path.dirname(cells[0].out_dir)
     if os.path.exists(os.path.join(folder, 'context.md')) and not s.overwrite:
         raise ValueError(f"{folder} holds an earlier sweep: pass --overwrite, or a new --out_dir")
     per = s.max_time * (1 if s.dev.type == 'cpu' else len(s.archs))  # race_runs: CPU at once
     print(f"context sweep: n_ctx {', '.join(str(c.n_ctx) for c in cells)}, {per:g} s of training "
           f"each, {len(cells) * per / 60:.1f} min in all (evaluation and start-up excluded)")
+    worst = 0  # the exit status: 130 interrupted, 1 a run failed
     for c in cells:
-        table, interrupted = race_cell(c)
+        table, code = race_cell(c)
+        worst = max(worst, code)
         got = {r['arch']: r for r in table}
         best = [got[a]['best_val'] if a in got else float('nan') for a in c.archs]  # nan: no eval
         rows.append({'n_ctx': c.n_ctx, 'batch_size': c.batch_size,  # differences > 0: first ahead
                      **{f"{a}_steps": got[a]['steps'] if a in got else 0 for a in c.archs},
                      **{f"{a}_best_val": v for a, v in zip(c.archs, best)},
                      **{f"{a}-{c.archs[0]}": v - best[0] for a, v in zip(c.archs[1:], best[1:])}})
-        if interrupted:
+        if code == 130:
             break
     table = markdown(rows, list(rows[0]))
     print(f"\n{table}\n", flush=True)
@@ -512,7 +516,7 @@ def race(argv):
         ax.set_xticks(n_ctxs, [str(n) for n in n_ctxs])
         ax.set(xlabel="n_ctx (each one's batch_size: context.md)", ylabel='best validation loss')
     print(f"wrote {folder}/context.md, context.png", flush=True)
-    return 130 if interrupted else rows
+    return worst or rows
 
 
 def race_cells(argv):
@@ -545,7 +549,8 @@ def race_cells(argv):
 
 
 def race_cell(s):
-    """One race of s (race_settings), written to its out_dir: (its table's rows, interrupted?)."""
+    """One race of s (race_settings), written to its out_dir: (its table's rows, exit status: 130
+    interrupted, 1 a run failed, else 0)."""
     print(f"race: {', '.join(s.archs)}, {s.max_time:g} s of training each, evaluated every "
           f"{s.eval_seconds:g} s; {s.dev} {s.dtype} ({s.why}); runs in {s.out_dir}", flush=True)
     curves, status, interrupted = race_runs(s)
@@ -568,7 +573,7 @@ def race_cell(s):
     if interrupted:
         print("interrupted: every run stopped; race.md, race.json and race.png hold what was "
               "measured, each run's last checkpoint is in its folder", file=sys.stderr)
-    return rows, interrupted
+    return rows, 130 if interrupted else int(any(status.values()))
 
 
 def race_settings(argv, cell=''):

@@ -9,7 +9,7 @@ BOOLS = {'true': True, '1': True, 'yes': True, 'false': False, '0': False, 'no':
 
 def parse_args(argv, defaults, doc, choices=None, positional=None, modes=None):
     """argv -> {key: value}. A leading bare word sets the key `positional` (bench.py MODE,
-    prepare.py DATASET, retrieve.py COMMAND) and brings its own defaults, modes[word]."""
+    prepare.py DATASET) and brings its own defaults, modes[word]."""
     args = list(sys.argv[1:] if argv is None else argv)
     if positional and args and not args[0].startswith('-') and not args[0].endswith('.py'):
         defaults = {**defaults, **(modes or {}).get(args[0], {}), positional: args.pop(0)}

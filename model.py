@@ -14,7 +14,8 @@ Conventions
 - targets: shaped like logits[..., 0], the token logits[b, t] should predict; -1 = no loss.
   The data loader shifts (nanoGPT's convention); `objective_targets` builds the other objectives'.
 - mask: optional BoolTensor (B, T), True on real tokens. Attention uses it as a key-padding mask;
-  masked mixers ignore it, as in the paper (a right pad only reaches positions after it).
+  masked mixers, gMLP and ELiTA ignore it, as the paper's mixers do (causal ones: a right pad
+  reaches only positions after it).
 - cache: optional `Cache`, the decoding state passed explicitly (as nanochat's kv_cache).
 - Language models return (logits, loss): logits (B, T, vocab_size), loss a scalar or None.
 """
@@ -334,7 +335,9 @@ class LanguageModel(nn.Module):
 
     def step(self, idx, pos, cache):
         """Logits (B, vocab) after idx (B, T) at window positions [pos, pos + T), reading and
-        extending cache: a cached decoding step, a function of its arguments (compilable)."""
+        extending cache: a cached decoding step, a function of its arguments (compilable). One
+        token at p costs per layer ~(p + 1)·d multiply-adds of mixing over the cached rows (mixer;
+        x kernel; attention 2(p + 1)·d), beside the d² of projections and feed-forward."""
         return self.lm_head(self.backbone(idx, pos, cache)[:, -1]).float()
 
     @torch.no_grad()

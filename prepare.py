@@ -656,6 +656,9 @@ def prepare_args(argv):
     if args.holdout and not (args.pairs or DATASETS[args.dataset][3]):
         raise ValueError('--holdout keeps its files\' pairs as a test set: add --pairs=docstring '
                          '(or ict)')
+    if args.tokenizer and args.vocab_size:  # a reused tokenizer brings its own size
+        raise ValueError(f'--vocab_size sizes a tokenizer trained here, and --tokenizer='
+                         f'{args.tokenizer} brings its own: drop one of them')
     for key in ('vocab_size', 'max_docs', 'max_tokens'):
         if getattr(args, key) < 0:
             raise ValueError(f'--{key}={getattr(args, key)}: use 0 (the default) or more')

@@ -15,7 +15,7 @@ python retrieve.py COMMAND --help lists its keys; train and indirect run train.p
 n counts as Table 1's caption does: one query, its matching target and n-2 non-matching targets,
 so n-1 candidates (chance 1/(n-1)); indirect's c and train's paper negatives count the same way.
 """
-import hashlib, json, math, os, re, sys
+import hashlib, json, math, os, re, shlex, sys
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ PAPER_N = 32           # --negatives=paper: a query, its target and 30 non-match
 
 EMBED = dict(  # Embedder's arguments, every command's
     device='auto',          # auto (cuda if present), cpu or cuda[:i]
-    dtype='auto',           # auto: train as train.py; embed as sample.py (CPU fp32, GPU trained)
+    dtype='auto',           # auto: train as train.py; embed in sample.py's (CPU fp32, GPU trained)
     batch_size=32,          # texts per forward pass (train: queries per micro-batch)
     pool='',                # last: the state of a text's last token (the paper) | mean: the
                             # mean of its tokens' states; '': the checkpoint's (else last)
@@ -117,8 +117,8 @@ class TextEncoder(torch.nn.Module):
     half blanks from the middle of what it runs) run the whole window, so that an embedding does
     not depend on the other texts of its batch. Left padding (the paper's §6.1) ends every text at
     window position n_ctx - 1, one position for a mixer's per-position weights; there the text
-    reads the pads before it (attention masks them as keys, a masked mixer mixes them in, as in
-    the paper), and the whole window runs.
+    reads the pads before it (attention masks them as keys; mixers, gMLP and ELiTA mix them in,
+    as the paper's mixer does), and the whole window runs.
     Its state_dict is the model's, so its checkpoints are ordinary model checkpoints."""
 
     def __init__(self, model, pool='last', padding='right', normalize=True):
@@ -307,8 +307,9 @@ def cmd_train(cfg):
     finally:
         rt.close()
     if rt.master and stats['stopped'] != 'diverged':
-        print(f"done: evaluate with python retrieve.py eval --ckpt={cfg['out_dir']}/ckpt.pt "
-              f"--pairs={cfg['data_dir']}/pairs_val.jsonl")
+        then = ['python', 'retrieve.py', 'eval', f"--ckpt={cfg['out_dir']}/ckpt.pt",
+                f"--pairs={cfg['data_dir']}/pairs_val.jsonl"]
+        print(f"done: evaluate with {shlex.join(then)}")  # quoted: a path may hold spaces
     return 1 if stats['stopped'] == 'diverged' else 0
 
 

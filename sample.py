@@ -5,8 +5,9 @@
     python sample.py --prompt="def main(" --temperature=0 --method=window  # greedy, the paper's
     python sample.py --prompt="def main(" --compile            # compiled steps (GPU: CUDA graphs)
 
-Both --method decoders (model.py's LanguageModel.stream) print the same tokens; a full window
-keeps its last n_ctx/2 tokens and goes on.
+Both --method decoders (model.py's LanguageModel.stream) compute the same logits up to float
+rounding, so they print the same tokens but at a near-tie; a full window keeps its last n_ctx/2
+tokens and goes on.
 """
 import os, sys, time
 from types import SimpleNamespace

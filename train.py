@@ -38,7 +38,7 @@ LOOP_DEFAULTS = dict(
     min_lr=0.0,             # where the decay ends
     warmup_iters=100,
     schedule='linear',      # linear (paper) | cosine
-    weight_decay=0.0,       # AdamW defaults, as in the paper
+    weight_decay=0.0,       # none: the paper's (HF Trainer's default), not torch AdamW's 0.01
     grad_clip=1.0,          # 0 = off
     max_iters=5000,         # step budget, 0 = none
     max_time=0.0,           # seconds of training (evaluation excluded), 0 = none

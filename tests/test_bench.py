@@ -175,6 +175,15 @@ def test_race_replaces_an_earlier_race_only_with_overwrite(tiny_race, capsys):
         assert steps[0] == 0 and steps == sorted(set(steps)) and curve[-1]['time'] < 1.5
 
 
+def test_race_exits_1_when_a_run_fails(data, tmp_path, capsys):
+    """A run that diverges (lr 1e30) stops; the race still writes its table, says which run
+    stopped, and exits 1, so that a script running it learns the comparison is incomplete."""
+    code = bench.main(['race', f'--data_dir={data}', f'--out_dir={tmp_path}', *RACE_TINY,
+                       '--max_time=1', '--archs=mixer', '--mixer.lr=1e30'])
+    assert code == 1 and 'mixer stopped (exit 1)' in capsys.readouterr().out
+    assert json.loads((tmp_path / 'race.json').read_text())['settings']['status'] == {'mixer': 1}
+
+
 def race_children(out):
     """Live processes whose command line names a folder under out (the race's runs)."""
     cmds = {}

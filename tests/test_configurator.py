@@ -175,6 +175,8 @@ REFUSALS = [
     ('prepare', ['text', '--input={tmp}/empty', OUT], '{tmp}/empty'),
     ('prepare', ['text', '--input={tmp}/blank.txt', OUT], 'empty'),
     ('prepare', ['text', '--input={tmp}/ascii.txt', '--vocab_size=2', OUT], '--vocab_size=2'),
+    ('prepare', ['text', '--input={tmp}/ascii.txt', '--vocab_size=300', '--tokenizer=gpt2', OUT],
+     '--vocab_size'),
     ('prepare', ['pystdlib', '--tokenizer=missing.model', OUT], 'missing.model'),
     ('prepare', ['pystdlib', '--tokenizer={tmp}/blank.txt', OUT], 'blank.txt'),
     ('retrieve', ['search', '--ckpt={mixer}', '--docs={tmp}/ascii.txt', '--query=x',

@@ -1,6 +1,6 @@
 """retrieve.py: InfoNCE (eq. 7), the Algorithm 1 samplers, the many-candidate eval, indirect
 retrieval, search, training."""
-import codecs, json, math, os, random, re, shutil, sys, types
+import codecs, json, math, os, random, re, shlex, shutil, sys, types
 
 import numpy as np
 import pytest
@@ -331,7 +331,7 @@ def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     the result is an ordinary model checkpoint that records its pooling, and --init_from=resume
     continues it with the run's own keys (only --out_dir and the new budget given), refusing a
     pooling or padding other than the run's."""
-    data, mixer, out_dir = corpus.data, corpus.mixer, tmp_path / 'ret'
+    data, mixer, out_dir = corpus.data, corpus.mixer, tmp_path / 'my ret'  # a space: quoted
     common = [f'--data_dir={data}', f'--out_dir={out_dir}', '--batch_size=16', '--lr=2e-3',
               '--warmup_iters=2', '--eval_interval=20', '--eval_iters=3', '--dtype=float32']
     code, out, err = run_main(capsys, 'retrieve', 'train', f'--init_from={mixer}',
@@ -341,8 +341,9 @@ def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     assert evals[0]['step'] == 0 and evals[-1]['step'] == 60
     # below log(16), the loss of embeddings collapsed to one point: the queries found their targets
     assert evals[-1]['val_loss'] < min(evals[0]['val_loss'], math.log(16)) - 0.1, evals
-    run_main(capsys, 'retrieve', 'eval', f'--ckpt={out_dir}/ckpt.pt',
-             f'--pairs={data}/pairs_val.jsonl', '--n=48', f'--json={tmp_path}/m.json')
+    python, script, *then = shlex.split(out.split('evaluate with ')[1])  # the command it names
+    assert then == ['eval', f'--ckpt={out_dir}/ckpt.pt', f'--pairs={data}/pairs_val.jsonl']
+    run_main(capsys, 'retrieve', *then, '--n=48', f'--json={tmp_path}/m.json')
     # chance is 1 in 47
     assert json.loads((tmp_path / 'm.json').read_text())['top1']['48'] > 3 * 100 / 47
     ckpt = train.load_checkpoint(out_dir / 'ckpt.pt')
