@@ -185,7 +185,8 @@ def run_main(body, interrupted='interrupted'):
             time.sleep(1)
         return 2
     except KeyboardInterrupt:
-        print(interrupted, file=sys.stderr)
+        if os.environ.get('RANK', '0') == '0':  # Ctrl-C reaches every rank: rank 0 says it
+            print(interrupted, file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (| head): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

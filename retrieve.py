@@ -268,7 +268,8 @@ def cmd_train(cfg):
     src, encoder, n_ctx = embedder.info, embedder.encoder, embedder.n_ctx
     if resuming and src['kind'] != 'retrieval':
         raise ValueError(f"{path} is of kind {src['kind']!r}, not one of retrieve.py train's: "
-                         f"train into another --out_dir, or replace that run with --overwrite")
+                         f"train into another --out_dir, or replace that run (--init_from=CKPT "
+                         f"--overwrite)")
     for key in ('pool', 'padding'):  # a resumed run keeps what defines its embeddings
         if resuming and getattr(encoder, key) != src[key]:
             raise ValueError(f"--{key}={getattr(encoder, key)} contradicts {path}, trained with "

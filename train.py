@@ -77,8 +77,12 @@ def check_loop(cfg, resume=None):
     if not (cfg['max_iters'] or cfg['max_time']):
         raise ValueError("no budget: set --max_iters and/or --max_time (s)")
     if resume and budget_used(cfg, resume['step'], resume['train_time']) >= 1:
-        raise ValueError(f"the run in {cfg['out_dir']} has spent its budget (step {resume['step']}"
-                         f"): to train on, raise --max_iters or --max_time")
+        step, seconds = resume['step'], resume['train_time']
+        done = dict(max_iters=step, max_time=seconds)
+        spent = ' and '.join(f"--{k}={cfg[k]:g}" for k in done if 0 < cfg[k] <= done[k])
+        raise ValueError(f"the run in {cfg['out_dir']} has spent its budget (step {step}, "
+                         f"{seconds:.1f} s of training): to train on, raise {spent} (a resume "
+                         f"keeps the run's other keys)")
 
 
 # ----------------------------------------------------------------------------- device, dtype, DDP
@@ -262,9 +266,13 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
     log = os.path.join(out_dir, 'log.jsonl') if master else None
     if runtime.distributed and not dist.is_initialized():  # the ranks meet: none refuses after it
         dist.init_process_group(runtime.backend)
-    if master and resume is None:  # a fresh run replaces the run check_run_dir let it replace
-        for name in RUN_FILES:
+    # a fresh run replaces the run check_run_dir let it replace; any run drops the temp files a
+    # write killed midway left (write_atomic's)
+    for name in RUN_FILES if master else ():
+        if resume is None:
             Path(out_dir, name).unlink(missing_ok=True)
+        for tmp in Path(out_dir).glob(f'{name}.tmp*'):
+            tmp.unlink()
     raw = model.to(device)
     optimizer = configure_optimizer(raw, cfg['lr'], cfg['weight_decay'])
     scaler = torch.amp.GradScaler(device.type, enabled=runtime.dtype == torch.float16)
@@ -521,7 +529,8 @@ def train_lm(argv):
                                        "with --init_from=scratch")
         if resume['kind'] != 'lm':
             raise ValueError(f"{path} is of kind {resume['kind']!r}, not one of train.py's: train "
-                             f"into another --out_dir, or replace that run with --overwrite")
+                             f"into another --out_dir, or replace that run (--init_from=scratch "
+                             f"--overwrite)")
         # the run's own keys are the defaults now (the folder may have moved); flags still win
         run = {**DEFAULTS, **resume['config'], 'out_dir': cfg['out_dir']}
         cfg = parse_args(argv, run, __doc__, CHOICES)

@@ -110,7 +110,8 @@ def learns(data, out, *extra):
 
 def interrupted_and_resumed(args, tmp_path):
     """Final checkpoints of train.py args run whole (in tmp_path/a) and killed -9 after its first
-    checkpoint, then resumed (in tmp_path/b). Checks the counters and that the log was mended."""
+    checkpoint, then resumed (in tmp_path/b). Checks the counters, that the log was mended and that
+    a killed save's temp file is gone."""
     assert train.main([*args, f'--out_dir={tmp_path}/a']) == 0
     out_b = tmp_path / 'b'
     cmd = [sys.executable, os.path.join(HERE, 'train.py'), *args, f'--out_dir={out_b}']
@@ -124,7 +125,9 @@ def interrupted_and_resumed(args, tmp_path):
     killed_at = max(json.loads(line)['step'] for line in open(out_b / 'log.jsonl')
                     if line.endswith('\n'))
     assert 25 <= weights(out_b)['step'] < 300 and killed_at < 300, "not interrupted mid-way"
+    (out_b / 'ckpt.pt.tmp4242').write_bytes(b'cut short')  # as a kill during a save leaves it
     assert train.main([*args, f'--out_dir={out_b}', '--init_from=resume']) == 0
+    assert not list(out_b.glob('*.tmp*'))  # the resume dropped it
     a, b = weights(tmp_path / 'a'), weights(out_b)
     assert a['step'] == b['step'] == 300 and a['tokens_seen'] == b['tokens_seen']
     steps = [r['step'] for r in records(out_b, 'loss')]

@@ -200,9 +200,11 @@ REFUSALS = [
     *[('train', [*RESUME, arg], arg[2:].split('=')[0]) for arg in ['--arch=llama', '--n_ctx=16']],
     ('train', ['--data_dir={data}', '--out_dir={tmp}/cut', *TINY, '--init_from=resume'], 'ckpt.pt'),
     ('train', ['--out_dir={tmp}/nce', '--init_from=resume'],
-     "of kind 'retrieval', not one of train.py's: train into another --out_dir"),
+     "of kind 'retrieval', not one of train.py's: train into another --out_dir, or replace that run"
+     " (--init_from=scratch --overwrite)"),
     ('retrieve', ['train', '--init_from=resume', '--data_dir={pairs}', '--out_dir={trained}'],
-     "of kind 'lm', not one of retrieve.py train's: train into another --out_dir"),
+     "of kind 'lm', not one of retrieve.py train's: train into another --out_dir, or replace that"
+     " run (--init_from=CKPT --overwrite)"),
     # a finished run, replaced only when asked: the refusal names the flag to continue or replace it
     ('train', ['--data_dir={data}', '--out_dir={trained}', *TINY], '--init_from=resume'),
     ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--out_dir={tmp}/run'],
@@ -301,6 +303,16 @@ def test_a_reader_that_goes_away_stops_a_script_quietly(data, tmp_path):
     proc.stdout.readline()
     proc.stdout.close()
     assert proc.wait(timeout=60) == 0 and b'Traceback' not in proc.stderr.read()
+
+
+@pytest.mark.parametrize('rank, says', [('0', 'interrupted\n'), ('1', '')])
+def test_ctrl_c_is_said_once_under_torchrun(rank, says, monkeypatch, capsys):
+    """Ctrl-C reaches every rank; rank 0 alone prints the line, and every rank exits 130."""
+    monkeypatch.setenv('RANK', rank)
+
+    def body():
+        raise KeyboardInterrupt
+    assert configurator.run_main(body, 'interrupted') == 130 and capsys.readouterr().err == says
 
 
 def doc_commands(*docs):

@@ -285,11 +285,11 @@ def test_a_cpu_names_the_demo_the_prepare_command_and_the_device(argv, says, dat
 
 def test_resume_and_fresh_runs_name_the_way_out(data, tmp_path, monkeypatch, capsys):
     """No checkpoint to resume: start afresh (--init_from=scratch). A folder holding a log but no
-    checkpoint: --overwrite only. Resuming a spent budget says so at once, naming --max_iters and
-    --max_time, and evaluates nothing again. --overwrite starts the run afresh. A run that never
-    beats its first evaluation (lr 0) still writes best.pt: step 0's weights are never saved. A
-    resume that evaluates otherwise (--eval_iters) chooses best.pt afresh, not against a best
-    measured on other batches."""
+    checkpoint: --overwrite only. Resuming a spent budget says so at once, naming the budget
+    spent (a resume keeps the other), and evaluates nothing again. --overwrite starts the run
+    afresh. A run that never beats its first evaluation (lr 0) still writes best.pt: step 0's
+    weights are never saved. A resume that evaluates otherwise (--eval_iters) chooses best.pt
+    afresh, not against a best measured on other batches."""
     argv = [f'--data_dir={data}', f'--out_dir={tmp_path}', *TINY, '--max_iters=4']
     refused(capsys, 'train', [*argv, '--init_from=resume'], 'start afresh with --init_from=scratch')
     (tmp_path / 'log.jsonl').write_text('')
@@ -299,7 +299,9 @@ def test_resume_and_fresh_runs_name_the_way_out(data, tmp_path, monkeypatch, cap
     log = (tmp_path / 'log.jsonl').read_text()
     monkeypatch.setattr(train, 'evaluate', None)  # would raise if called
     code, out, err = run_main(capsys, 'train', *argv, '--init_from=resume')
-    assert code == 2 and 'spent' in err and '--max_iters' in err and '--max_time' in err, err
+    assert code == 2 and 'spent' in err and 'raise --max_iters=4 ' in err, err
+    refused(capsys, 'train', [*argv, '--init_from=resume', '--max_iters=9', '--max_time=1e-3'],
+            'raise --max_time=0.001 (')  # the budget spent, not the one raised
     assert (tmp_path / 'log.jsonl').read_text() == log
     monkeypatch.undo()
     assert train_run(data, tmp_path, '--max_iters=2', '--eval_interval=2', '--overwrite') == 0
