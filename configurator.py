@@ -30,9 +30,9 @@ def parse_args(argv, defaults, doc, choices=None, positional=None, modes=None):
                 f"--{key} needs a value: write --{key}=VALUE"
             value = 'true' if flag else args.pop(0)
         cfg[key] = typed(key, value, defaults)
-    for key, allowed in (choices or {}).items():
-        if cfg.get(key) not in allowed:
-            raise ValueError(f"--{key}={cfg.get(key)!r} is not one of "
+    for key, allowed in (choices or {}).items():  # of the keys this script has
+        if key in cfg and cfg[key] not in allowed:
+            raise ValueError(f"--{key}={cfg[key]!r} is not one of "
                              f"{', '.join(a or repr(a) for a in allowed)}")
     return cfg
 

@@ -268,8 +268,7 @@ def cmd_train(cfg):
     src, encoder, n_ctx = embedder.info, embedder.encoder, embedder.n_ctx
     if resuming and src['kind'] != 'retrieval':
         raise ValueError(f"{path} is of kind {src['kind']!r}, not one of retrieve.py train's: "
-                         f"train into another --out_dir, or replace that run (--init_from=CKPT "
-                         f"--overwrite)")
+                         f"use another --out_dir, or replace it: --init_from=CKPT --overwrite")
     for key in ('pool', 'padding'):  # a resumed run keeps what defines its embeddings
         if resuming and getattr(encoder, key) != src[key]:
             raise ValueError(f"--{key}={getattr(encoder, key)} contradicts {path}, trained with "
@@ -598,12 +597,11 @@ def run(argv):
     if argv[0] not in COMMANDS:
         raise ValueError(f"unknown subcommand {argv[0]!r}: use one of {', '.join(COMMANDS)}")
     command, defaults, required = COMMANDS[argv[0]]
-    choices = {k: v for k, v in CHOICES.items() if k in defaults}
-    cfg = parse_args(argv[1:], defaults, __doc__, choices)
+    cfg = parse_args(argv[1:], defaults, __doc__, CHOICES)
     if cfg.get('init_from') == 'resume':  # the run's own keys are the defaults now; flags win
         run = train.load_checkpoint(os.path.join(cfg['out_dir'], 'ckpt.pt'), "to resume, pass "
                                     "the run's --out_dir")['config']
-        cfg = parse_args(argv[1:], {**defaults, **run, 'out_dir': cfg['out_dir']}, __doc__, choices)
+        cfg = parse_args(argv[1:], {**defaults, **run, 'out_dir': cfg['out_dir']}, __doc__, CHOICES)
     for example in required:
         if not cfg[example.split('=')[0]]:
             raise ValueError(f"retrieve.py {argv[0]} needs --{example} (see python retrieve.py "

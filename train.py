@@ -528,9 +528,8 @@ def train_lm(argv):
         resume = load_checkpoint(path, "to resume, pass the run's --out_dir, or start afresh "
                                        "with --init_from=scratch")
         if resume['kind'] != 'lm':
-            raise ValueError(f"{path} is of kind {resume['kind']!r}, not one of train.py's: train "
-                             f"into another --out_dir, or replace that run (--init_from=scratch "
-                             f"--overwrite)")
+            raise ValueError(f"{path} is of kind {resume['kind']!r}, not one of train.py's: use "
+                             f"another --out_dir, or replace it: --init_from=scratch --overwrite")
         # the run's own keys are the defaults now (the folder may have moved); flags still win
         run = {**DEFAULTS, **resume['config'], 'out_dir': cfg['out_dir']}
         cfg = parse_args(argv, run, __doc__, CHOICES)

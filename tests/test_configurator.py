@@ -200,11 +200,11 @@ REFUSALS = [
     *[('train', [*RESUME, arg], arg[2:].split('=')[0]) for arg in ['--arch=llama', '--n_ctx=16']],
     ('train', ['--data_dir={data}', '--out_dir={tmp}/cut', *TINY, '--init_from=resume'], 'ckpt.pt'),
     ('train', ['--out_dir={tmp}/nce', '--init_from=resume'],
-     "of kind 'retrieval', not one of train.py's: train into another --out_dir, or replace that run"
-     " (--init_from=scratch --overwrite)"),
+     "of kind 'retrieval', not one of train.py's: use another --out_dir, or replace it: "
+     "--init_from=scratch --overwrite"),
     ('retrieve', ['train', '--init_from=resume', '--data_dir={pairs}', '--out_dir={trained}'],
-     "of kind 'lm', not one of retrieve.py train's: train into another --out_dir, or replace that"
-     " run (--init_from=CKPT --overwrite)"),
+     "of kind 'lm', not one of retrieve.py train's: use another --out_dir, or replace it: "
+     "--init_from=CKPT --overwrite"),
     # a finished run, replaced only when asked: the refusal names the flag to continue or replace it
     ('train', ['--data_dir={data}', '--out_dir={trained}', *TINY], '--init_from=resume'),
     ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--out_dir={tmp}/run'],
