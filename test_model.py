@@ -244,6 +244,18 @@ def test_objective_targets():
     assert loss.item() == 0 and not logits.grad.any()
 
 
+def test_mtp2_adds_the_token_two_ahead():
+    """mtp2 (paper §5.2): a second pass reads the model's own argmax tokens, and its logits at t
+    are scored against the token two ahead of t's input: the targets shifted once more."""
+    model = make(tiny(objective='mtp2'))
+    idx = torch.randint(0, V, (2, N + 1), generator=torch.Generator().manual_seed(0))
+    x, y = idx[:, :-1], idx[:, 1:]
+    logits, loss = model(x, targets=y)
+    logits2 = model.lm_head(model.backbone(logits.argmax(-1)))
+    want = M.lm_loss(logits, y) + M.lm_loss(logits2[:, :-1], y[:, 1:])
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12)  # the same float64 operations
+
+
 def test_expanded_mixer_below_one_loses_tokens():
     """Paper fig S3: with e < 1 tokens at positions >= e*n reach no other position (their own by the
     residual)."""

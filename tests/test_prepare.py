@@ -317,6 +317,21 @@ def test_small_corpus_gets_a_val_split(n_files, tmp_path, capsys):
     refused(capsys, 'prepare', [*argv, '--overwrite'], 'too small', keep=[tmp_path / 'data'])
 
 
+def test_held_out_documents_stay_out_of_a_carved_corpus(tmp_path, stdlib_dir):
+    """A --holdout file of several documents (<|endoftext|> lines: keys file#i) reaches no token
+    stream and no train or val pair, also where val is carved from a corpus of one document."""
+    lines = lambda tag: ''.join(f'{tag} line {i} of some text\n' for i in range(30))  # noqa: E731
+    (tmp_path / 'src').mkdir()
+    (tmp_path / 'src/keep.txt').write_text(lines('kept'))
+    (tmp_path / 'src/held.txt').write_text(lines('heldA') + '<|endoftext|>\n' + lines('heldB'))
+    tok = f'--tokenizer={stdlib_dir}/tokenizer.model'
+    assert prepare.main(['text', f'--input={tmp_path}/src', '--pairs=ict', '--holdout=held.txt',
+                         tok, f'--out_dir={tmp_path}/d']) == 0
+    _, docs, pairs = read_folder(tmp_path / 'd')
+    seen = json.dumps([docs, pairs])
+    assert 'kept' in seen and 'held' not in seen and docs['val']  # carved: val from keep.txt
+
+
 def test_one_file_of_long_lines_gives_val_a_tenth(tmp_path):
     """A single document's val is its last tenth in characters (counted in lines, a file of two long
     lines gave val half the text, and a form feed counted as a line break)."""

@@ -61,7 +61,7 @@ def test_a_right_padded_text_embeds_as_the_text_alone(variant, pool):
     """What happens to pads: in a causal encoder a text in a batch, its pads after it, gets the
     embedding and the InfoNCE gradients of the text alone, unpadded, and the batch runs only to
     its longest text; an encoder that reads ahead runs the whole window, the same for a text
-    whatever else is in its batch."""
+    whatever else is in its batch. Left-padded, a text is pooled from its own positions alone."""
     n, lengths = 24, [1, 3, 17, 5, 2, 9, 4, 12]  # short queries, longer targets, none fills n
     model = make(tiny(n_ctx=n, **variant))
     gen = torch.Generator().manual_seed(1)
@@ -96,6 +96,12 @@ def test_a_right_padded_text_embeds_as_the_text_alone(variant, pool):
         want = F.normalize(h[-1] if pool == 'last' else h.mean(0), dim=-1)
         if not reads_ahead:
             torch.testing.assert_close(e, want, rtol=1e-6, atol=1e-6)
+    left = retrieve.TextEncoder(model, pool, 'left', normalize=False)  # texts end at n - 1
+    idx, mask = retrieve.pad(seqs, n, 3, left=True)
+    h = model.hidden(idx, mask).detach().float()                        # (8, n, d_model)
+    m = mask[..., None].float()
+    want = h[:, -1] if pool == 'last' else (h * m).sum(1) / m.sum(1)   # pads pooled never
+    torch.testing.assert_close(left(idx, mask).detach(), want, rtol=1e-6, atol=1e-6)
 
 
 def chi2(labels, k):
@@ -186,6 +192,8 @@ def test_eval_random_scores_are_one_in_n_minus_one():
     # the match's rank is uniform over 1..pairs: MRR@10 = sum_{r<=10} 1/r / pairs = 0.00098, and
     # one query's sd, sqrt(sum_{r<=10} 1/r^2 / pairs) = 0.023, over 3000 queries is 0.00042
     assert abs(m['mrr@10'] - sum(1 / r for r in range(1, 11)) / pairs) < 4 * 0.00042
+    tied = retrieve.retrieval_metrics(lambda rows: torch.zeros(len(rows), 40), 40, (3, 32), 0)
+    assert tied['top1'] == {'3': 0.0, '32': 0.0}  # a tie with a negative is a miss
 
 
 def test_bm25_terms_split_identifiers():

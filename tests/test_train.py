@@ -116,6 +116,19 @@ def test_resume_keeps_the_recorded_dtype(data, tmp_path, monkeypatch, capsys):
     assert 'emulated' in out.err and weights(tmp_path / 'b')['dtype'] == 'bfloat16'
 
 
+def test_fp16_resume_restores_the_grad_scaler(data, tmp_path):
+    """fp16 (emulated on a CPU) trains with a GradScaler; a resume continues its scale and its
+    count of steps since the last overflow, not a fresh scaler's."""
+    assert train_run(data, tmp_path, '--dtype=float16', '--max_iters=4', '--eval_interval=4') == 0
+    ckpt = weights(tmp_path)
+    scaler = {**ckpt['scaler'], 'scale': 512.0, '_growth_tracker': 3}  # as after an overflow
+    torch.save({**ckpt, 'scaler': scaler}, tmp_path / 'ckpt.pt')
+    assert train_run(data, tmp_path, '--dtype=float16', '--max_iters=8', '--eval_interval=4',
+                     '--init_from=resume') == 0
+    scaler = weights(tmp_path)['scaler']
+    assert (scaler['scale'], scaler['_growth_tracker']) == (512.0, 7)
+
+
 @pytest.mark.parametrize('accum,world', [(1, 1), (1, 2), (3, 2), (2, 4)])
 def test_rank_batches_make_one_process_step(accum, world, data, monkeypatch):
     """Each rank takes its rows of every micro-batch, and the ranks all the rows once; their losses
@@ -165,6 +178,11 @@ def test_ddp_two_processes_equal_one(data, tmp_path, extra):
     # step 1 starts from the same weights: the step's mean loss, but for the order of the sums and
     # the log's 5 decimals
     assert first[0]['step'] == 1 and first[0]['loss'] == pytest.approx(first[1]['loss'], abs=2e-5)
+    # step 0's evaluation, its batches shared out over the ranks: the same means (float32 kernels
+    # on 1 thread a rank sum in other orders, ~1e-7 of a loss of ~8; a bug is off by x2)
+    evals = [records(tmp_path / run, 'val_loss')[0] for run in ('ddp', 'one')]
+    for key in ('train_loss', 'val_loss'):
+        assert evals[0][key] == pytest.approx(evals[1][key], rel=1e-5), key
     for k, v in a['model'].items():
         torch.testing.assert_close(v, b['model'][k], rtol=0, atol=DDP_ATOL)
     start = train.build_model(train.ModelConfig(**a['model_config'])).state_dict()  # they moved
