@@ -303,3 +303,17 @@ def test_race_over_context_lengths(data, tmp_path, capsys):
     assert (tmp_path / 'context.png').read_bytes()[:4] == b'\x89PNG'
     assert 'context sweep' in capsys.readouterr().out
     refused(capsys, 'bench', [*argv, '--n_ctx=32,64'], 'earlier sweep')  # context.md: not unasked
+
+
+def test_race_table_seconds_to_each_best():
+    """s_to_X_best: the training seconds at which a run first reaches X's best val loss (its own
+    best included, reached at its best evaluation), else never."""
+    ev = lambda step, time, loss: dict(step=step, time=time, tokens_seen=10 * step,  # noqa: E731
+                                       val_loss=loss)
+    curves = {'mixer': [ev(0, 0.0, 9.0), ev(10, 5.0, 4.0), ev(20, 10.0, 3.0)],
+              'llama': [ev(0, 0.0, 9.0), ev(10, 5.0, 4.0), ev(20, 10.0, 3.5)]}
+    rows = {r['arch']: r for r in bench.race_table(curves)}
+    assert rows['mixer']['s_to_mixer_best'] == 10.0 and rows['mixer']['s_to_llama_best'] == 10.0
+    assert rows['llama']['s_to_llama_best'] == 10.0 and rows['llama']['s_to_mixer_best'] == 'never'
+    assert rows['mixer']['best_val'] == 3.0 and rows['llama']['final_val'] == 3.5
+    assert rows['mixer']['tokens_per_s'] == 20.0

@@ -365,3 +365,14 @@ def test_documented_commands_parse(doc, script, argv, monkeypatch, tmp_path):
         bench.race_cells(argv)
     else:
         bench.settings(argv)
+
+
+def test_a_preset_value_reads_keys_set_before_it(tmp_path):
+    """A preset's value may use earlier keys: the defaults', an earlier flag's or preset's, not only
+    those its own file set."""
+    preset = tmp_path / 'p.py'
+    preset.write_text('"""a preset"""\nbatch_size = n_ctx // 8\nlr = lr * 2\n')
+    defaults = dict(n_ctx=32, batch_size=1, lr=0.5)
+    assert configurator.parse_args([str(preset)], defaults, '') == dict(n_ctx=32, batch_size=4,
+                                                                        lr=1.0)
+    assert configurator.parse_args(['--n_ctx=64', str(preset)], defaults, '')['batch_size'] == 8

@@ -523,3 +523,28 @@ def test_search_chunks_are_whole_definitions_and_lines():
     ff = 'import os\n\x0c\ndef alpha():\n    return 1\n\x0c\n\ndef beta():\n    return 2\n'
     assert len(prepare.source_lines(ff)) == 8
     assert prepare.chunks_of('ff.py', ff, Words, 100) == [(1, 2), (3, 4), (7, 8)]
+
+
+def test_a_changed_input_file_is_not_up_to_date(tmp_path, capsys):
+    """The fingerprint covers what was read: the same options over an edited file prepare again
+    (here refused without --overwrite), never 'up to date'."""
+    src = tmp_path / 'corpus.txt'
+    docs = [f"def f{i}(x):\n    return x * {i}\n" for i in range(40)]
+    src.write_text('\n<|endoftext|>\n'.join(docs))
+    args = ['text', f'--input={src}', f'--out_dir={tmp_path}/d', '--vocab_size=300']
+    assert prepare.main(args) == 0
+    assert prepare.main(args) == 0 and 'up to date' in capsys.readouterr().out
+    src.write_text('\n<|endoftext|>\n'.join(docs[:20]))           # the input changed
+    assert prepare.main(args) == 2
+    out, err = capsys.readouterr()
+    assert 'up to date' not in out and 'other inputs' in err
+
+
+def test_read_pairs_keeps_line_separators_inside_a_field(tmp_path):
+    """encode writes pairs with ensure_ascii=False: U+2028/U+2029/U+0085 in a docstring stay raw
+    inside a JSON line, and read_pairs must not cut the line there."""
+    rows = [{'query': 'a\u2028b', 'target': 'c\u2029d\x85e'}, {'query': 'q', 'target': 't'}]
+    path = tmp_path / 'pairs.jsonl'
+    path.write_text(''.join(json.dumps(r, ensure_ascii=False) + '\n' for r in rows),
+                    encoding='utf-8')
+    assert prepare.read_pairs(str(path)) == (['a\u2028b', 'q'], ['c\u2029d\x85e', 't'])

@@ -132,6 +132,9 @@ def test_samplers_place_the_match_once_uniformly_among_distinct_negatives():
     others = rows[:, 1:][torch.arange(c - 1)[None] != labels[:, None]].view(3000, c - 2)
     assert (others != match[:, None]).all() and all(len(set(r)) == c - 2 for r in others.tolist())
     assert chi2(labels, c - 1) < 18.5                                    # p = 0.001, 4 dof
+    whole, labels = retrieve.sample_candidates(torch.arange(8).repeat(25), 8, 8, gen)  # k = pool
+    assert (whole.sort(1).values == torch.arange(8)).all()  # the match once, with the 7 others
+    assert torch.equal(whole[torch.arange(200), labels], torch.arange(8).repeat(25))
 
 
 @pytest.mark.parametrize('negatives', ['inbatch', 'paper'])
@@ -474,3 +477,35 @@ def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
 def unit(*shape, seed=0):
     return F.normalize(torch.randn(*shape, generator=torch.Generator().manual_seed(seed),
                                    dtype=torch.float64), dim=-1)
+
+
+def test_indirect_validates_on_the_val_embeddings(corpus, tmp_path, monkeypatch):
+    """indirect's get_batch(split) reads that split's embeddings: its val loss, and so best.pt,
+    measures val queries against val targets."""
+    seen = {}
+
+    def fit(cfg, rt, model, get_batch, *args):
+        seen['get_batch'] = get_batch
+        return dict(step=0, stopped='budget')
+    monkeypatch.setattr(train, 'fit', fit)
+    assert retrieve.main(['indirect', f'--ckpt={corpus.mixer}', f'--data_dir={corpus.data}',
+                          f'--out_dir={tmp_path}/ind', '--c=4', '--n_layers=1', '--max_iters=1',
+                          '--batch_size=16', '--dtype=float32', '--device=cpu']) == 0
+    rows, x, labels = seen['get_batch']('val', None, 0)
+    queries, targets = prepare.read_pairs(os.path.join(corpus.data, 'pairs_val.jsonl'))
+    embed = retrieve.Embedder(corpus.mixer, 'cpu', 'float32', normalize=False)
+    q, t = embed(queries), embed(targets)
+    torch.testing.assert_close(x[:, 0], q[rows[:, 0]])
+    torch.testing.assert_close(x[:, 1:], t[rows[:, 1:]])
+
+
+def test_an_old_retrieval_checkpoint_without_padding_embeds_left_padded(corpus, tmp_path):
+    """Retrieval checkpoints that record no padding (they record embed_pos) were left-padded; an
+    'lm' checkpoint, or one that records its padding, is read as it says (else right)."""
+    ckpt = train.load_checkpoint(corpus.mixer)
+    assert 'padding' not in ckpt and retrieve.Embedder(corpus.mixer).encoder.padding == 'right'
+    old = {**ckpt, 'kind': 'retrieval', 'embed_pos': 'last', 'pool': 'last'}
+    torch.save(old, tmp_path / 'old.pt')
+    assert retrieve.Embedder(str(tmp_path / 'old.pt')).encoder.padding == 'left'
+    torch.save({**old, 'padding': 'right'}, tmp_path / 'new.pt')
+    assert retrieve.Embedder(str(tmp_path / 'new.pt')).encoder.padding == 'right'

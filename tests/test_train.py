@@ -396,3 +396,21 @@ def test_data_files_must_agree_with_meta(name, damage, data, tmp_path, capsys):
     refused(capsys, 'train', [f'--data_dir={tmp_path}/data', f'--out_dir={tmp_path}/out', *TINY,
                               '--max_iters=2', '--batch_mode=documents'],
             name, keep=[tmp_path / 'data'])
+
+
+def test_documents_have_exactly_ceil_len_minus_one_over_n_chunks(tmp_path):
+    """A document of L tokens has ceil((L - 1) / n_ctx) chunks (L - 1 targets): one whose L - 1 is
+    a multiple of n_ctx has no extra, empty chunk; every row holds a target."""
+    n, docs = 4, [list(range(1, 6)), list(range(10, 19)), [30, 31, 32]]  # L 5, 9, 3: 1 + 2 + 1
+    meta = dict(vocab_size=100, dtype='uint16', pad_id=0, tokenizer={'kind': 'none'})
+    for split in train.SPLITS:  # as prepare.py lays them out
+        np.concatenate(docs).astype(np.uint16).tofile(tmp_path / f'{split}.bin')
+        np.save(tmp_path / f'{split}_docs.npy', np.cumsum([0, 5, 9]).astype(np.int64))
+        meta[f'{split}_tokens'] = 17
+    get = train.Batches(dict(train.DEFAULTS, n_ctx=n, batch_size=256, batch_mode='documents',
+                             objective='clm'), meta, tmp_path)
+    x, y, mask = get('train', 0, 0)
+    assert mask.any(1).all(), "an empty chunk was drawn"
+    rows = {tuple(r) for r in torch.cat([x, y], 1).tolist()}
+    assert rows == {(1, 2, 3, 4, 2, 3, 4, 5), (10, 11, 12, 13, 11, 12, 13, 14),
+                    (14, 15, 16, 17, 15, 16, 17, 18), (30, 31, 0, 0, 31, 32, -1, -1)}
