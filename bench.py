@@ -231,8 +231,7 @@ def bench_generate(s):
     gen = torch.Generator().manual_seed(s.seed)
     for cfg in grid(s):
         torch.manual_seed(s.seed)
-        model = build_model(cfg).to(s.dev, s.torch_dtype).eval()
-        model = decode_layout(model)  # the weights laid out as sample.py lays them
+        model = decode_layout(build_model(cfg).to(s.dev, s.torch_dtype).eval())
         if s.compile:  # each model's step is one more graph: stay under the recompile limit
             torch._dynamo.reset()
         step = compiled_step(model) if s.compile else None
