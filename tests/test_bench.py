@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import bench
+import bench, configurator, train
 from model import ModelConfig, build_model
 from tests.conftest import HERE, BENCH_TINY, ENV, refused, run_main
 
@@ -317,3 +317,78 @@ def test_race_table_seconds_to_each_best():
     assert rows['llama']['s_to_llama_best'] == 10.0 and rows['llama']['s_to_mixer_best'] == 'never'
     assert rows['mixer']['best_val'] == 3.0 and rows['llama']['final_val'] == 3.5
     assert rows['mixer']['tokens_per_s'] == 20.0
+
+
+def test_bench_represent_loss_is_the_recovered_inputs_distance():
+    """loss is the L1 distance of O(e_N), the recovered embeddings' output, to O(e): two steps of
+    descent from e_0 ~ N(1/2, 1/20) on an identity layer leave it far above epsilon, unconverged."""
+    model = tiny()
+    with torch.no_grad():
+        for p in model.backbone.blocks.parameters():
+            p.zero_()
+    for r in bench.represent_rows(model, tokens(128), [2], steps=2, lr=0.05):
+        assert r['loss'] > r['epsilon'] > 0 and r['converged'] == 0
+
+
+def test_bench_represent_last_inverts_from_the_last_position():
+    """'last' fits the last position's output alone: with every other position a pad (not counted,
+    eq. 6), an identity layer gives the last token back."""
+    model = tiny()
+    with torch.no_grad():
+        for p in model.backbone.blocks.parameters():
+            p.zero_()
+    idx = tokens(128)
+    idx[:, :-1] = 0
+    rows = bench.represent_rows(model, idx, [2], steps=500, lr=0.05, pad_id=0)
+    assert {r['positions']: r['hamming'] for r in rows} == {'all': 0, 'last': 0}
+
+
+def test_bench_represent_refuses_a_layer_out_of_range():
+    """Layers count from 1: layer 0 (or past the last) is refused, not read as blocks[-1]."""
+    model = tiny()
+    for layer in (0, 3):
+        with pytest.raises(ValueError, match=f'--layer={layer} is out of range'):
+            bench.layer_output_fn(model.backbone, tokens(128), layer)
+
+
+def test_near_mass_averages_the_rows_that_hold_weight():
+    """A row without weight (a reverse mixing's last rows, say) is left out of the mean, not NaN."""
+    M = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    assert bench.near_mass(M, 1) == pytest.approx((1 + 0.5) / 2)
+
+
+def test_bench_memory_cell_counts_a_memory_error_as_out_of_memory(monkeypatch, capsys):
+    """Under --mem_limit Python's own allocations fail with MemoryError, torch's with RuntimeError:
+    either is the cell's OOM (mb None), not a failed cell."""
+    s = bench.settings(['memory', *BENCH_TINY, '--archs=mixer', '--mem_limit=0'])
+
+    def no_memory(cfg):
+        raise MemoryError
+    monkeypatch.setattr(bench, 'Backbone', no_memory)
+    capsys.readouterr()
+    bench.memory_cell(s)
+    assert json.loads(capsys.readouterr().out) == {'mb': None}
+
+
+def test_bench_generate_rate_is_per_decoded_token_per_row(monkeypatch):
+    """tokens/s: batch rows over the median seconds per token after the first (the prefill's
+    stamp), here 0.5 s a token behind a 5 s prefill."""
+    monkeypatch.setattr(bench, 'decode_stamps', lambda *args: [5.0, 5.5, 6.0, 6.5])
+    rows = bench.main(['generate', '--archs=mixer', *BENCH_TINY, '--batch_size=1,3',
+                       '--prompt=4', '--new_tokens=4'])
+    assert [(r['method'], r['batch_size'], r['tokens_per_s']) for r in rows] == [
+        ('window', 1, 2.0), ('cache', 1, 2.0), ('cache', 3, 6.0)]
+
+
+def test_race_settings_route_shared_and_per_arch_flags_and_presets(data, tmp_path):
+    """--KEY=VALUE reaches every arch and --ARCH.KEY=VALUE its own, winning over the shared one;
+    --presets go one per arch in --archs order."""
+    for arch, width in (('mixer', 48), ('llama', 64)):
+        (tmp_path / f'{arch}.py').write_text(f"arch = '{arch}'\nd_model = {width}\n")
+    s = bench.race_settings(['race', f'--data_dir={data}', f'--out_dir={tmp_path}/race',
+                             f'--presets={tmp_path}/mixer.py,{tmp_path}/llama.py', '--lr=1e-3',
+                             '--llama.lr=2e-3'])
+    cfg = {a: configurator.parse_args(s.runs[a], train.DEFAULTS, '', train.CHOICES)
+           for a in s.archs}
+    assert [(c['arch'], c['d_model'], c['lr']) for c in cfg.values()] == [
+        ('mixer', 48, 1e-3), ('llama', 64, 2e-3)]

@@ -86,6 +86,31 @@ def test_help_shows_each_keys_default_and_comment_from_the_source(capsys):
     assert 'throughput' in help_text(capsys, 'bench', '--help')[0]
 
 
+def test_help_takes_the_note_beside_a_strings_value(capsys):
+    """A key defined in several dict(...)s (out_dir: train's, indirect's) shows the note beside the
+    value it has, a string's as its source spells it ('out-indirect')."""
+    _, keys = help_text(capsys, 'retrieve', 'indirect', '--help')
+    line = keys['out_dir']
+    assert line.startswith("--out_dir='out-indirect'") and 'one run per c' in line
+
+
+def test_help_joins_a_comment_continued_below_its_key(capsys):
+    """A note continued on the indented `# ...` lines under its key is one line, whole."""
+    _, keys = help_text(capsys, 'retrieve', 'eval', '--help')
+    assert keys['pool'].endswith("mean: the mean of its tokens' states; '': the checkpoint's "
+                                 "(else last)")
+
+
+def test_check_output_file_takes_a_bare_name_and_refuses_a_folders(tmp_path, monkeypatch):
+    """A bare file name is written in the current folder; a name ending in a separator is a folder,
+    refused before any work, even where it does not exist yet."""
+    monkeypatch.chdir(tmp_path)
+    configurator.check_output_file('rows.json', 'json')
+    with pytest.raises(ValueError, match='is a folder'):
+        configurator.check_output_file(f'{tmp_path}/new{os.sep}', 'json')
+    assert not (tmp_path / 'new').exists()
+
+
 TRAIN = ['--data_dir={data}', '--out_dir={tmp}/out', *TINY]
 SAMPLE = ['--out_dir={trained}']
 EVAL = ['eval', '--ckpt={mixer}', '--pairs={pairs}/pairs_val.jsonl']

@@ -548,3 +548,45 @@ def test_read_pairs_keeps_line_separators_inside_a_field(tmp_path):
     path.write_text(''.join(json.dumps(r, ensure_ascii=False) + '\n' for r in rows),
                     encoding='utf-8')
     assert prepare.read_pairs(str(path)) == (['a\u2028b', 'q'], ['c\u2029d\x85e', 't'])
+
+
+def test_a_docstring_followed_by_code_on_its_line_makes_no_pair():
+    """A docstring sharing its line with code after it (`'Doc.'; return 1`) is left alone, as one
+    after code on its line is: removing its line would remove the code."""
+    assert list(docstring_pairs('def f():\n    """Doc."""; return 1\n')) == []
+
+
+def test_ict_pairs_take_a_passage_of_three_sentences():
+    """A passage of 3 sentences, the shortest kept, gives a pair; one of 2, none."""
+    sentences = [f'Sentence number {i} here.' for i in range(9)]   # passages of 6 and 3
+    assert len(list(ict_pairs(' '.join(sentences), 'doc'))) == 2
+    assert len(list(ict_pairs(' '.join(sentences[:8]), 'doc'))) == 1
+
+
+def test_visible_files_leave_hidden_folders_out(tmp_path):
+    """A hidden folder (.git, say) is not walked, nor a hidden file read; the rest, sorted."""
+    for rel in ('.git/config', 'a/.hidden', 'a/b.txt', 'c.txt'):
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text('x')
+    assert list(prepare.visible_files(str(tmp_path))) == [str(tmp_path / 'c.txt'),
+                                                         str(tmp_path / 'a/b.txt')]
+
+
+def test_matching_takes_every_glob():
+    """--exclude=a,b* leaves out what any of its globs matches, by folder or file name."""
+    rels = ['a/x.py', 'bz/y.py', 'c/b1.py', 'c/z.py']
+    assert prepare.matching(rels, ['a', 'b*'], 'exclude') == {'a/x.py', 'bz/y.py', 'c/b1.py'}
+
+
+def test_a_carved_corpus_keeps_its_held_out_pairs(tmp_path, stdlib_dir):
+    """Where val is carved from the end of a small corpus, the --holdout file's pairs still make
+    pairs_heldout.jsonl."""
+    (tmp_path / 'src').mkdir()
+    (tmp_path / 'src/keep.txt').write_text(prose(random.Random(0), 30))
+    held = prose(random.Random(1), 12)
+    (tmp_path / 'src/held.txt').write_text(held)
+    assert prepare.main(['text', f'--input={tmp_path}/src', '--pairs=ict', '--holdout=held.txt',
+                         f'--tokenizer={stdlib_dir}/tokenizer.model',
+                         f'--out_dir={tmp_path}/d']) == 0
+    rows = [json.loads(line) for line in open(tmp_path / 'd/pairs_heldout.jsonl')]
+    assert rows and [(r['query'], r['target']) for r in rows] == list(ict_pairs(held, 'held.txt'))

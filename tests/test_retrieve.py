@@ -509,3 +509,45 @@ def test_an_old_retrieval_checkpoint_without_padding_embeds_left_padded(corpus, 
     assert retrieve.Embedder(str(tmp_path / 'old.pt')).encoder.padding == 'left'
     torch.save({**old, 'padding': 'right'}, tmp_path / 'new.pt')
     assert retrieve.Embedder(str(tmp_path / 'new.pt')).encoder.padding == 'right'
+
+
+def test_pad_keeps_a_texts_first_tokens_and_fills_with_pad_id():
+    """pad: a text longer than n_ctx keeps its first n_ctx tokens; the rest of its row holds pad_id
+    (after it, or before it with left), mask True on its own tokens only."""
+    idx, mask = retrieve.pad([[5, 6, 7, 8], [9]], 3, 2)
+    assert idx.tolist() == [[5, 6, 7], [9, 2, 2]]
+    assert mask.tolist() == [[True, True, True], [True, False, False]]
+    idx, mask = retrieve.pad([[9]], 3, 2, left=True)
+    assert idx.tolist() == [[2, 2, 9]] and mask.tolist() == [[False, False, True]]
+
+
+def test_indirect_accuracy_weighs_each_query_once():
+    """The val loss is the mean over queries, batches of 256 and a last short one weighed by their
+    size; top-1 counts the queries whose label is argmax."""
+    def model(x, labels):  # always picks slot 0, at a loss of 2
+        logits = torch.zeros(len(x), x.shape[1] - 1)
+        logits[:, 0] = 1
+        return logits, torch.tensor(2.0)
+    q, t = unit(300, 8, seed=1), unit(300, 8, seed=2)
+    loss, top1 = retrieve.indirect_accuracy(model, q, t, 5, 0, 'cpu')
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.cat([retrieve.algorithm1(q, t, torch.arange(a, min(a + 256, 300)), 5, gen)[1]
+                        for a in (0, 256)])
+    assert loss == pytest.approx(2.0) and top1 == pytest.approx(100 * (labels == 0).sum() / 300)
+
+
+def test_search_shows_at_most_a_chunks_lines_and_reuses_an_index_of_relative_paths(
+        corpus, capsys, tmp_path, monkeypatch):
+    """--show prints a chunk's first lines, never those past its end; --docs given relative to the
+    current folder finds its files in the index on the next call (nothing embedded again)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'docs').mkdir()
+    (tmp_path / 'docs/a.py').write_text('def one(x):\n    return x\n\n\ndef two(y):\n'
+                                        '    return y\n')
+    argv = ['search', f'--ckpt={corpus.mixer}', '--docs=docs', '--index=i.pt', '--k=1',
+            '--show=9', '--dtype=float32', '--query=def one(x):\n    return x\n']
+    code, out, err = run_main(capsys, 'retrieve', *argv)
+    assert code == 0 and '(2 embedded now)' in out, err
+    assert out.splitlines()[1:] == ['1. 1.000  docs/a.py:1-2', '   def one(x):', '       return x']
+    code, out, err = run_main(capsys, 'retrieve', *argv)
+    assert code == 0 and '2 chunks in 1 files (0 embedded now)' in out, err
