@@ -27,6 +27,7 @@ import torch
 
 from model import ARCHS, Backbone, Mixing, ModelConfig, allowed, build_model, flops_per_token
 from configurator import check_output_file, int_list, parse_args, run_main, write_atomic
+from prepare import Tokenizer
 from sample import compiled_step, decode_layout
 from train import (CHOICES, DEFAULTS as TRAIN_DEFAULTS, EVAL_KEYS, MODEL_KEYS, Batches,
                    autocast, check_loop, check_run_dir, choose_dtype, configure_optimizer,
@@ -85,6 +86,7 @@ def settings(argv):
     if s['mode'] == 'race':  # given as --mode=race: race reads its own keys
         raise ValueError("race takes its own keys: write it first, python bench.py race ...")
     assert s['repeats'] >= 1, f"--repeats={s['repeats']}: use 1 or more"
+    assert s['steps'] >= 1, f"--steps={s['steps']}: use 1 or more"
     assert s['mem_limit'] >= 0, f"--mem_limit={s['mem_limit']}: use MB >= 0 (0: no limit)"
     s = SimpleNamespace(**s)
     s.archs = s.archs.split(',')
@@ -327,10 +329,15 @@ def bench_represent(s):
     gen = torch.Generator().manual_seed(s.seed)
     for cfg in [None] if s.ckpt else grid(s):
         torch.manual_seed(s.seed)
-        model = model_from_checkpoint(load_checkpoint(s.ckpt)) if s.ckpt else build_model(cfg)
+        ckpt = load_checkpoint(s.ckpt) if s.ckpt else None
+        model = model_from_checkpoint(ckpt) if ckpt else build_model(cfg)
         cfg, pad_id = model.cfg, None
         if s.data_dir:  # validation windows as train.py draws them, its checks of the data too
             meta = load_meta(s.data_dir)
+            if ckpt:  # another tokenizer's ids would be other text
+                theirs = Tokenizer(meta['tokenizer'], s.data_dir).spec
+                assert Tokenizer.from_checkpoint(ckpt).spec == theirs, \
+                    f"--data_dir={s.data_dir} was tokenized otherwise than {s.ckpt}'s data"
             assert meta['vocab_size'] <= cfg.vocab_size, \
                 f"--data_dir={s.data_dir}: its vocab of {meta['vocab_size']} exceeds the model's"
             keys = dict(TRAIN_DEFAULTS, n_ctx=cfg.n_ctx, batch_size=s.batch_size, seed=s.seed)
@@ -571,7 +578,7 @@ def race_cell(s):
     print(f"wrote {s.out_dir}/race.md, race.json, race.png", flush=True)
     if interrupted:
         print("interrupted: every run stopped; race.md, race.json and race.png hold what was "
-              "measured, each run's last checkpoint is in its folder", file=sys.stderr)
+              "measured, each run's folder its last checkpoint (if it saved one)", file=sys.stderr)
     return rows, 130 if interrupted else int(any(status.values()))
 
 

@@ -19,6 +19,8 @@ def parse_args(argv, defaults, doc, choices=None, positional=None, modes=None):
         if arg in ('-h', '--help'):
             print(doc, help_text(cfg, sys._getframe(1).f_globals['__file__']), sep='\n')
             raise SystemExit(0)
+        if positional and arg in (choices or {}).get(positional, ()):
+            raise ValueError(f"{arg} is the {positional}: write it first, before the flags")
         if not arg.startswith('--'):
             cfg.update({k: typed(k, v, defaults) for k, v in read_preset(arg, cfg).items()})
             continue

@@ -24,8 +24,7 @@ from tqdm import tqdm
 
 import train
 from model import RetrievalMixer
-from configurator import (check_output_file, int_list, parse_args, read_text_file, run_main,
-                          write_atomic)
+from configurator import check_output_file, int_list, parse_args, run_main, write_atomic
 from prepare import Tokenizer, binary, chunks_of, read_pairs, source_lines, visible_files
 
 TAU = 0.02             # InfoNCE temperature (eq. 8)
@@ -541,14 +540,14 @@ def cmd_search(cfg):
     """The chunks of --docs (functions, methods, runs of lines) nearest the query."""
     embedder = Embedder(cfg['ckpt'], **{k: cfg[k] for k in EMBED})
     assert cfg['k'] >= 1 and cfg['show'] >= 0, "--k: 1 chunk or more; --show: 0 lines or more"
-    files = {}   # path: text; each text file, and each file under each folder that is not binary
+    files = {}   # path: text, read as prepare.py reads; binary files, hidden ones, pipes left out
     for path in cfg['docs'].split(','):
-        if not os.path.isdir(path):  # named: missing or not UTF-8 is an error
-            files[path] = read_text_file(path, '--docs')
-            continue
-        for f in (f for f in visible_files(path) if not binary(f)):  # hidden ones left out
-            with open(f, encoding='utf-8-sig', errors='replace') as text:  # as prepare.py reads
-                files[f] = text.read()
+        if not os.path.exists(path):
+            raise ValueError(f"--docs {path} not found")
+        for f in visible_files(path) if os.path.isdir(path) else [path]:
+            if os.path.isfile(f) and not binary(f):  # (a pipe would block the read)
+                with open(f, encoding='utf-8-sig', errors='replace') as text:
+                    files[os.path.normpath(f)] = text.read()  # one file spelled two ways: once
     with open(cfg['ckpt'], 'rb') as f:
         key = ' '.join([hashlib.file_digest(f, 'sha256').hexdigest(), embedder.encoder.pool,
                         embedder.encoder.padding])
@@ -612,8 +611,8 @@ def run(argv):
 
 
 def main(argv=None):
-    return run_main(lambda: run(argv), "interrupted: finished outputs are whole "
-                                       "(train: continue with --init_from=resume)")
+    return run_main(lambda: run(argv), "interrupted: finished outputs are whole (train: continue "
+                    "with --init_from=resume; none before its first checkpoint: --overwrite)")
 
 
 if __name__ == '__main__':

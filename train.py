@@ -426,7 +426,7 @@ def check_run_dir(out_dir, fresh, overwrite, resumable=True):
     """Refuse an out_dir that is not writable, or whose run a fresh run would replace unasked."""
     held = [f for f in RUN_FILES if os.path.isfile(os.path.join(out_dir, f))]
     if fresh and held and not overwrite:
-        resume = "continue it with --init_from=resume, " if resumable else ""
+        resume = "continue it with --init_from=resume, " * (resumable and 'ckpt.pt' in held)
         raise ValueError(f"out_dir {out_dir} already holds a run ({', '.join(held)}): {resume}"
                          f"replace it with --overwrite, or pass a new --out_dir")
     check_out_dir(out_dir)
@@ -549,7 +549,7 @@ def train_lm(argv):
                          f"again since?): pass the run's --data_dir, or train afresh")
     get_batch = Batches(cfg, meta, cfg['data_dir'])
     runtime = Runtime(cfg, resume and resume['dtype'])
-    check_run_dir(cfg['out_dir'], resume is None, cfg['overwrite'], os.path.isfile(path))
+    check_run_dir(cfg['out_dir'], resume is None, cfg['overwrite'])
     model = build_model(mcfg)
     if runtime.master and not mcfg.causal:  # allowed for encoders (retrieve.py train --init_from)
         print("warning: causal=False: position t reads token t + 1, the one it predicts, so the "

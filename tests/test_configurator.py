@@ -141,6 +141,8 @@ REFUSALS = [
     ('train', [*TRAIN, '--padding=left'], 'batch_mode'),  # packed windows have no pads to place
     ('prepare', ['pystdlib', '--max_tokens=-1', OUT], 'max_tokens'),
     ('bench', ['--mode=race'], 'race'), ('bench', ['throughput', '--repeats=0'], 'repeats'),
+    ('bench', ['represent', '--steps=0'], 'steps'),
+    ('bench', ['--full', 'throughput'], 'throughput is the mode: write it first'),
     ('retrieve', [*EVAL, '--pool=max'], "'', last, mean"),
     ('retrieve', [*EVAL, '--padding=lfet'], 'lfet'),
     ('retrieve', ['search', '--ckpt={mixer}', '--docs={pairs}', '--query=x', '--k=0'], '--k'),
@@ -217,10 +219,10 @@ REFUSALS = [
     ('retrieve', ['eval', '--ckpt={tmp}/indirect.pt', '--pairs={pairs}/pairs_val.jsonl'],
      'indirect'),
     ('retrieve', ['search', '--ckpt={mixer}', '--docs={tmp}/missing', '--query=x'], 'missing'),
-    ('retrieve', ['search', '--ckpt={mixer}', '--docs={tmp}/latin1.txt', '--query=x'], 'UTF-8'),
     ('bench', ['race', '--data_dir={tmp}/nope'], '{tmp}/nope'),
     ('bench', ['represent', '--ckpt={tmp}/nope.pt'], 'nope.pt'),
     ('bench', ['represent', '--ckpt={trained}/ckpt.pt', '--data_dir={tmp}'], '{tmp}'),
+    ('bench', ['represent', '--ckpt={mixer}', '--data_dir={data}'], 'tokenized otherwise'),
     # a resume that cannot continue: a model flag against its checkpoint, a cut or foreign one
     *[('train', [*RESUME, arg], arg[2:].split('=')[0]) for arg in ['--arch=llama', '--n_ctx=16']],
     ('train', ['--data_dir={data}', '--out_dir={tmp}/cut', *TINY, '--init_from=resume'], 'ckpt.pt'),
@@ -234,6 +236,9 @@ REFUSALS = [
     ('train', ['--data_dir={data}', '--out_dir={trained}', *TINY], '--init_from=resume'),
     ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--out_dir={tmp}/run'],
      '--overwrite'),
+    # stopped before its first checkpoint: nothing to resume, so no advice to
+    ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--out_dir={tmp}/log'],
+     '(log.jsonl): replace it with --overwrite'),
     ('retrieve', ['indirect', '--ckpt={mixer}', '--data_dir={pairs}', '--out_dir={tmp}/run',
                   '--c=4'], '--overwrite'),
     # output locations, checked before the work that fills them ({tmp}/file is a file)
@@ -266,7 +271,7 @@ def scratch(tmp_path, data_dir):
                           ('bad.jsonl',
                            b'{"query": "a", "target": "b"}\n' * 2 + b'{"query": oops}\n'),
                           ('run/ckpt.pt', b'a long run'), ('run/log.jsonl', b'{"step": 1}\n'),
-                          ('run/c4/ckpt.pt', b'a long run'),
+                          ('run/c4/ckpt.pt', b'a long run'), ('log/log.jsonl', b''),
                           ('foreign/train.bin', b'not prepare.py\'s: --overwrite to replace')]:
         (tmp_path / name).parent.mkdir(exist_ok=True, parents=True)
         (tmp_path / name).write_bytes(content)

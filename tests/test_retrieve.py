@@ -539,12 +539,13 @@ def test_indirect_accuracy_weighs_each_query_once():
 def test_search_shows_at_most_a_chunks_lines_and_reuses_an_index_of_relative_paths(
         corpus, capsys, tmp_path, monkeypatch):
     """--show prints a chunk's first lines, never those past its end; --docs given relative to the
-    current folder finds its files in the index on the next call (nothing embedded again)."""
+    current folder finds its files in the index on the next call (nothing embedded again). A file
+    named as well as found in its folder is one file, read alike (a Latin-1 byte: U+FFFD)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / 'docs').mkdir()
-    (tmp_path / 'docs/a.py').write_text('def one(x):\n    return x\n\n\ndef two(y):\n'
-                                        '    return y\n')
-    argv = ['search', f'--ckpt={corpus.mixer}', '--docs=docs', '--index=i.pt', '--k=1',
+    (tmp_path / 'docs/a.py').write_bytes(b'def one(x):\n    return x\n\n\ndef two(y):\n'
+                                         b'    return y  # caf\xe9\n')
+    argv = ['search', f'--ckpt={corpus.mixer}', '--docs=docs,./docs/a.py', '--index=i.pt', '--k=1',
             '--show=9', '--dtype=float32', '--query=def one(x):\n    return x\n']
     code, out, err = run_main(capsys, 'retrieve', *argv)
     assert code == 0 and '(2 embedded now)' in out, err
