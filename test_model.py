@@ -147,6 +147,9 @@ def test_mixings_and_mlps_match_their_formulas():
         assert torch.equal(mlp(x), mlp.out(F.gelu(mlp.fc(x), approximate=approx)))
     gelu_tanh = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
     assert torch.allclose(F.gelu(x, approximate='tanh'), gelu_tanh)
+    ff = make(tiny(arch='elita')).backbone.blocks[0].ffn   # W3 (silu(W1 x) outer silu(W2 x))
+    outer = F.silu(ff.w1(x))[:, :, None] * F.silu(ff.w2(x))[:, None, :]     # (3, D, 8)
+    assert torch.allclose(ff(x), ff.w3(outer.flatten(1)))
 
 
 def param_counts(model):
@@ -293,6 +296,7 @@ def test_autoencoder_sees_input_only_through_its_embedding(arch):
     idx = torch.randint(0, V, (2, N))
     z, logits = model.encode(idx), model(idx)[0]
     assert z.shape == (2, D) and torch.allclose(model.decode(z, N), logits)
+    assert torch.equal(z, model.hidden(idx)[:, -1])   # the last position's state
     spread = (logits - logits[:, :1]).abs().max()   # how far later positions decode from the first
     assert spread < 1e-10 if arch == 'llama' else spread > 1e-3
     h = model.hidden(idx).detach().requires_grad_()
@@ -418,6 +422,73 @@ def test_elita_recurrent_equals_parallel_across_scan_blocks():
     torch.testing.assert_close(logits, full[:, idx.shape[1] - 1:-1], atol=1e-4, rtol=0)
 
 
+def test_elita_scan_rescales_by_the_running_max_of_every_block():
+    """The scan keeps its sums relative to the running max of every key so far, earlier blocks'
+    included: keys 200 below the previous block's (e^200 overflows float32) give float64's
+    answer, not inf or NaN."""
+    L, g = 4, torch.Generator().manual_seed(0)
+    key = torch.tensor([100.0] * L + [-100.0] * L)[None, None]     # (B, H, 2L): two blocks
+    v = torch.randn(1, 1, 2 * L, 3, generator=g)
+
+    def run(dt):
+        state = (torch.full((1, 1), -math.inf, dtype=dt), torch.zeros(1, 1, 3, dtype=dt),
+                 torch.zeros(1, 1, dtype=dt))
+        ys = []
+        for chunk in zip(*(t.to(dt).split(L, dim=2) for t in (key, 0 * key, 0 * key, v))):
+            y, state = M.ELiTAAttention.scan(*chunk, state)
+            ys.append(y)
+        return torch.cat(ys, 2)
+    torch.testing.assert_close(run(torch.float32), run(torch.float64).float())
+
+
+def test_each_arch_builds_the_blocks_it_names():
+    """n_heads=0 means 4 attention heads (llama, gpt, hybrid, elita) or one mixing head (a hybrid's
+    mixing too); a kernel may span all of a head's channels; the hybrid orders its attention and
+    mixing as hybrid_order says; GPT-1 is post-norm (each block's output rows normalised) with
+    no final norm, as the mixer has none; objective half blanks the input of block n_layers // 2."""
+    for arch, heads in dict(mixer=1, llama=4, gpt=4, hybrid=4, gmlp=1, elita=4).items():
+        assert tiny(arch=arch).n_heads == heads
+        assert isinstance(build_model(tiny(arch=arch)).backbone.norm, nn.Identity) \
+            == (arch in ('mixer', 'gpt'))
+    # a kernel as wide as the channels it slides along is accepted
+    assert tiny(kernel=D).kernel == D and tiny(n_heads=2, kernel=D // 2).kernel == D // 2
+    for order, kinds in (('attn_mix', [M.Attention, M.TokenMixing]),
+                         ('mix_attn', [M.TokenMixing, M.Attention]),
+                         ('parallel', [M.Attention, M.TokenMixing])):
+        mixers = build_model(tiny(arch='hybrid', hybrid_order=order)).backbone.blocks[0].mixers
+        assert [type(m) for m in (mixers[0] if order == 'parallel' else mixers)] == kinds
+        assert all(m.heads == 1 for m in mixers.modules() if isinstance(m, M.TokenMixing))
+    x = 3 * torch.randn(2, N, D)
+    out = build_model(tiny(arch='gpt')).backbone.blocks[0](x)
+    torch.testing.assert_close(out.mean(-1), torch.zeros(2, N), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.var(-1, unbiased=False), torch.ones(2, N), atol=1e-3, rtol=0)
+    model, ins = make(tiny(objective='half', n_layers=3)), []
+    for block in model.backbone.blocks:
+        block.register_forward_pre_hook(lambda mod, args: ins.append(args[0]))
+    model(torch.randint(0, V, (2, N)))
+    assert [bool(x[:, N // 2:].any()) for x in ins] == [True, False, True]
+
+
+@pytest.mark.parametrize('arch', ARCHS)
+def test_init_per_arch(arch):
+    """Transformers (llama, gpt, hybrid) start every Linear and Embedding at N(0, 0.02), biases 0;
+    mixers keep the paper's (Conv1d-like) init; gMLP's spatial mixing starts at W ~ 0 and b = 1
+    (a plain feed-forward); tie_weights makes the head and the token table one tensor."""
+    torch.manual_seed(0)
+    model = build_model(tiny(arch=arch, d_model=64))
+    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+    stds = torch.tensor([m.weight.std().item() for m in linears])
+    transformer = arch in ('llama', 'gpt', 'hybrid')
+    assert ((stds - 0.02).abs() < 0.004).all() == transformer, stds
+    biases = [m.bias for m in linears if getattr(m, 'bias', None) is not None]
+    assert not transformer or not any(b.any() for b in biases)
+    for sgu in (m for m in model.modules() if isinstance(m, M.GatedMLP)):
+        assert (sgu.spatial.bias == 1).all() and sgu.spatial.weight.abs().max() <= 0.01 / N
+    tied = build_model(tiny(arch=arch, tie_weights=True))
+    wte = next(m for m in tied.modules() if isinstance(m, nn.Embedding))
+    assert tied.lm_head.weight is wte.weight
+
+
 @pytest.mark.parametrize('method', ['window', 'cache'])
 def test_slide_reencodes_last_half_window(method):
     """Once the window is full, the next token comes from the last n_ctx/2 tokens placed at the
@@ -468,6 +539,9 @@ def test_param_counts_and_flops():
     assert M.flops_per_token(cfg) == 6 * dense + 2 * 6 * N * D
     total = sum(p.numel() for p in build_model(llama).parameters())
     assert M.flops_per_token(llama) == 6 * (total - V * D) + 2 * 12 * N * D
+    # ELiTA's scan multiplies blocks of ELITA_CHUNK positions: per token, flat past one block
+    elita = [M.flops_per_token(tiny(arch='elita', n_ctx=k * M.ELITA_CHUNK)) for k in (1, 2)]
+    assert elita[0] == elita[1]
 
 
 FLOP_VARIANTS = VARIANTS + [
@@ -542,7 +616,8 @@ def test_every_arch_overfits_one_batch(variant):
     (dict(arch='llama', pos_channel='input'), 'pos_channel'),
     (dict(n_heads=2, pos_channel='every'), 'pos_channel'), (dict(share_ffn=False), 'share_ffn'),
     (dict(arch='hybrid', hybrid_order='attn'), 'hybrid_order'),
-    (dict(objective='bidirectional', share_ffn=1), 'share_ffn')])
+    (dict(objective='bidirectional', share_ffn=1), 'share_ffn'),
+    (dict(arch='gmlp', n_heads=2), 'n_heads'), (dict(objective='half', n_layers=1), 'n_layers')])
 def test_bad_config_is_a_one_line_assertion_naming_the_field(kw, key):
     with pytest.raises(AssertionError, match=key) as err:
         tiny(**kw)

@@ -53,6 +53,7 @@ def test_tokenizer_round_trips_and_trains_deterministically(stdlib_dir, tmp_path
         assert tok.decode(ids) == text and not set(ids) & {tok.bos_id, tok.eos_id, tok.pad_id}
     assert any(tok.sp.id_to_piece(i).startswith('<0x') for i in tok.encode('☃'))
     assert tok.encode('x', bos=True, eos=True) == [tok.bos_id] + tok.encode('x') + [tok.eos_id]
+    assert tok.encode('x', eos=True) == tok.encode('x') + [tok.eos_id] != tok.encode('x', bos=True)
     assert tok.decode([tok.bos_id, *tok.encode('hi'), tok.eos_id, tok.pad_id]) == 'hi'
     assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
     assert Tokenizer(tok.spec).encode_batch(texts) == tok.encode_batch(texts)
@@ -224,6 +225,22 @@ def test_tiktoken_tokenizer_or_clear_offline_error(tmp_path, capsys):
         assert meta['vocab_size'] == 50257 and not (tmp_path / 'out/tokenizer.model').exists()
     else:
         assert code == 2 and len(err.strip().splitlines()) == 1 and 'gpt2' in err
+
+
+def test_tiktoken_specials_offline(monkeypatch):
+    """The tiktoken branch, its vocabulary stood in for (no download): GPT's one <|endoftext|> is
+    BOS, EOS and pad alike, and decode drops only it, so every other token (id 0, '!', too) and
+    text that looks like the special token come back."""
+    import tiktoken
+    ranks = {bytes([(i + 33) % 256]): i for i in range(256)}  # byte-level; id 0 is '!', as in gpt2
+    enc = tiktoken.Encoding('gpt2', pat_str=r"\S+|\s+", mergeable_ranks=ranks,
+                            special_tokens={'<|endoftext|>': 256})
+    monkeypatch.setattr(tiktoken, 'get_encoding', lambda name: enc)
+    tok = Tokenizer({'kind': 'tiktoken', 'name': 'gpt2'})
+    assert tok.bos_id == tok.eos_id == tok.pad_id == 256 and tok.vocab_size == 257
+    ids = tok.encode('Hi! <|endoftext|>', bos=True, eos=True)
+    assert ids[0] == ids[-1] == 256 not in ids[1:-1] and 0 in ids
+    assert tok.decode(ids + [tok.pad_id]) == 'Hi! <|endoftext|>'
 
 
 def test_hub_text_datasets(tmp_path, hub):
@@ -538,6 +555,25 @@ def test_a_changed_input_file_is_not_up_to_date(tmp_path, capsys):
     assert prepare.main(args) == 2
     out, err = capsys.readouterr()
     assert 'up to date' not in out and 'other inputs' in err
+
+
+def test_a_folder_holds_this_runs_outputs_and_only_them(tmp_path, capsys):
+    """A replacing run (--overwrite, other options) removes the outputs it did not write (here the
+    first run's pairs) and never commits a killed run's temp file; a folder missing one of the
+    outputs meta.json lists is not up to date (and not replaced unasked)."""
+    rng = random.Random(0)
+    docs = [prose(rng, 9) for _ in range(40)]
+    (tmp_path / 'corpus.txt').write_text('\n<|endoftext|>\n'.join(docs))
+    out = tmp_path / 'd'
+    args = ['text', f'--input={tmp_path}/corpus.txt', f'--out_dir={out}', '--vocab_size=400']
+    assert prepare.main([*args, '--pairs=ict']) == 0 and (out / 'pairs_train.jsonl').exists()
+    (out / 'pairs_val.jsonl.tmp').write_text('{"query": "a", "target": "b"}\n')  # a killed run's
+    assert prepare.main([*args, '--overwrite']) == 0
+    outputs = json.loads((out / 'meta.json').read_text())['outputs']
+    assert sorted(os.listdir(out)) == sorted([*outputs, 'meta.json'])
+    assert not [name for name in outputs if 'pairs' in name]
+    (out / 'val_docs.npy').unlink()
+    assert prepare.main(args) == 2 and 'up to date' not in capsys.readouterr().out
 
 
 def test_read_pairs_keeps_line_separators_inside_a_field(tmp_path):

@@ -8,7 +8,7 @@ import torch
 import retrieve, sample, train
 from model import ModelConfig
 from tests.conftest import (N_CTX, name, VARIANTS, perturbed, tiny_model, prompt, decode, run_main,
-                            without_paths, cpu_kind, train_run, tokenizer)
+                            without_paths, cpu_kind, train_run, tokenizer, make_ckpt)
 
 
 @pytest.mark.parametrize('variant', VARIANTS, ids=name)
@@ -130,6 +130,21 @@ def test_cli_seeds_batches_and_prompts(trained, data, tmp_path, capsys):
     tok = tokenizer(data)
     kept = tok.decode(tok.encode(long)[-31:])
     assert long.endswith(kept) and out.startswith(kept) and len(out) > len(kept) + 1
+
+
+def test_load_takes_causal_clm_and_mtp2_checkpoints_only(data, tmp_path):
+    """sample.load rebuilds a clm or an mtp2 model (both predict the next token) and refuses, each
+    by name, an unmasked one (it reads the token it predicts), one of objective half, and a window
+    of one token (no room for a new one), before any token is printed."""
+    cpu = torch.device('cpu')
+    for objective in ('clm', 'mtp2'):
+        model, tok, _ = sample.load(make_ckpt(tmp_path / 'ok.pt', data, objective=objective), cpu,
+                                    'auto')
+        assert model.cfg.objective == objective and tok.vocab_size == model.cfg.vocab_size
+    for kw, says in ((dict(causal=False), 'causal=False'), (dict(objective='half'), 'half'),
+                     (dict(n_ctx=1), 'n_ctx=1')):
+        with pytest.raises(ValueError, match=says):
+            sample.load(make_ckpt(tmp_path / 'no.pt', data, **kw), cpu, 'auto')
 
 
 def test_a_checkpoint_carries_its_tokenizer(data, tmp_path, capsys):

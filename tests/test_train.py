@@ -264,6 +264,27 @@ def test_weight_decay_spares_biases_and_norms(arch):
             assert (id(p) in decayed) == (name == 'weight' and not norm), (type(mod), name)
 
 
+def test_runtime_reads_its_rank_and_refuses_a_batch_the_ranks_cannot_share(monkeypatch):
+    """Under torchrun (RANK, WORLD_SIZE) a process knows its rank, and that only rank 0 logs; a
+    batch_size the processes cannot split evenly is refused before any process group starts."""
+    monkeypatch.setenv('RANK', '1')
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    cfg = dict(train.DEFAULTS, device='cpu', dtype='float32')
+    runtime = train.Runtime(dict(cfg, batch_size=4))
+    assert (runtime.distributed, runtime.rank, runtime.world) == (True, 1, 2)
+    assert not runtime.master
+    with pytest.raises(ValueError, match='batch_size=3'):
+        train.Runtime(dict(cfg, batch_size=3))
+
+
+def test_report_writes_nan_and_inf_as_null(tmp_path, capsys):
+    """log.jsonl stays strict JSON, one object a line: a non-finite number is written as null."""
+    log = tmp_path / 'log.jsonl'
+    train.report(str(log), 'step 3', step=3, loss=float('nan'), grad_norm=float('inf'), lr=0.5)
+    assert capsys.readouterr().out == 'step 3\n'
+    assert json.loads(log.read_text()) == dict(step=3, loss=None, grad_norm=None, lr=0.5)
+
+
 def test_lr_schedule():
     cfg = dict(train.DEFAULTS, lr=1.0, min_lr=0.1, warmup_iters=9)
     assert train.get_lr(cfg, 0, 0.0) == pytest.approx(0.1) and train.get_lr(cfg, 9, 0.0) == 1.0
@@ -386,6 +407,7 @@ def test_a_split_shorter_than_a_window_is_refused(data, tmp_path, capsys):
 @pytest.mark.parametrize('name,damage', [('train.bin', lambda b: b[:-64]), ('val_docs.npy', None),
                                          ('meta.json', lambda b: b[:len(b) // 2]),
                                          ('meta.json', lambda b: b'{"foo": 1}'),
+                                         ('meta.json', lambda b: b'[1, 2]'),
                                          ('tokenizer.model', lambda b: b'not a model')])
 def test_data_files_must_agree_with_meta(name, damage, data, tmp_path, capsys):
     """A truncated token file, a corrupt or foreign meta.json, a missing offsets file, a damaged
