@@ -26,7 +26,8 @@ from types import SimpleNamespace
 import torch
 
 from model import ARCHS, Backbone, Mixing, ModelConfig, allowed, build_model, flops_per_token
-from configurator import check_output_file, int_list, parse_args, run_main, write_atomic
+from configurator import (check_output_file, int_list, parse_args, read_preset, run_main,
+                          write_atomic)
 from prepare import Tokenizer
 from sample import compiled_step, decode_layout
 from train import (CHOICES, DEFAULTS as TRAIN_DEFAULTS, EVAL_KEYS, MODEL_KEYS, Batches,
@@ -609,7 +610,9 @@ def race_settings(argv, cell=''):
     s.eval_seconds = s.eval_seconds or s.max_time / 8
     s.runs, cfgs = {}, {}
     for i, arch in enumerate(s.archs):
-        base = dict(RACE_TRAIN, arch=arch, lr=RACE_LR.get(arch, 1.5e-3))
+        preset = read_preset(presets[i], dict(TRAIN_DEFAULTS)) if presets else {}
+        base = {k: v for k, v in dict(RACE_TRAIN, arch=arch, lr=RACE_LR.get(arch, 1.5e-3)).items()
+                if k not in preset}  # the preset's own values win over the race's
         forced = dict(out_dir=os.path.join(s.out_dir, arch), max_time=s.max_time,
                       eval_seconds=s.eval_seconds, overwrite=True)  # out_dir checked below
         mine = presets[i:i + 1] + shared + per_arch.get(arch, [])

@@ -1,6 +1,6 @@
 """The command line of every script, as nanoGPT's configurator.py: defaults, then presets (bare
-words: files of `key = value` lines) and --key=value flags in order, each typed like its default;
-and the boundaries: bad input is one `error:` line and status 2, files are written whole or not."""
+words: files of `key = value` lines) and --key=value flags in order, each typed like its default
+(a preset may not undo a flag before it); and the boundaries: bad input is one `error:` line and status 2, files are written whole or not."""
 import ast, contextlib, difflib, os, sys, tempfile, time
 from pathlib import Path
 
@@ -13,7 +13,7 @@ def parse_args(argv, defaults, doc, choices=None, positional=None, modes=None):
     args = list(sys.argv[1:] if argv is None else argv)
     if positional and args and not args[0].startswith('-') and not args[0].endswith('.py'):
         defaults = {**defaults, **(modes or {}).get(args[0], {}), positional: args.pop(0)}
-    cfg = dict(defaults)
+    cfg, flagged = dict(defaults), set()  # flagged: keys set by a --flag so far
     while args:
         arg = args.pop(0)
         if arg in ('-h', '--help'):
@@ -22,7 +22,11 @@ def parse_args(argv, defaults, doc, choices=None, positional=None, modes=None):
         if positional and arg in (choices or {}).get(positional, ()):
             raise ValueError(f"{arg} is the {positional}: write it first, before the flags")
         if not arg.startswith('--'):
-            cfg.update({k: typed(k, v, defaults) for k, v in read_preset(arg, cfg).items()})
+            preset = read_preset(arg, cfg)
+            if flagged & preset.keys():  # in order, it would silently undo what was typed
+                late = ', '.join(f'--{k}' for k in sorted(flagged & preset.keys()))
+                raise ValueError(f"{arg} sets {late}, given before it: put the preset first")
+            cfg.update({k: typed(k, v, defaults) for k, v in preset.items()})
             continue
         key, eq, value = arg[2:].partition('=')
         key = key.replace('-', '_')
@@ -32,6 +36,7 @@ def parse_args(argv, defaults, doc, choices=None, positional=None, modes=None):
                 f"--{key} needs a value: write --{key}=VALUE"
             value = 'true' if flag else args.pop(0)
         cfg[key] = typed(key, value, defaults)
+        flagged.add(key)
     for key, allowed in (choices or {}).items():  # of the keys this script has
         if key in cfg and cfg[key] not in allowed:
             raise ValueError(f"--{key}={cfg[key]!r} is not one of "
@@ -66,6 +71,8 @@ def read_preset(path, cfg):
     """A preset's `key = value` lines as a dict; a value may use earlier keys (n_ctx * 2)."""
     if path.endswith('.pt'):  # python sample.py out/ckpt.pt
         raise ValueError(f"{path} is a checkpoint, not a preset: pass it as --ckpt={path}")
+    if '=' in path and not os.path.exists(path):  # max_iters=3, -max_iters=3
+        raise ValueError(f"{path} is no preset file: a flag is written --{path.lstrip('-')}")
     try:
         tree = ast.parse(read_text_file(path, 'preset file (see config/)'), path)
     except SyntaxError as e:

@@ -645,7 +645,8 @@ def prepare_args(argv):
     if args.dataset == 'text' and not args.input:
         raise ValueError('the text dataset needs --input: files, folders or globs, comma-separated')
     if args.input and args.dataset != 'text':
-        raise ValueError(f'--input is for the text dataset, not {args.dataset}')
+        raise ValueError(f'--input is for the text dataset, not {args.dataset}: python '
+                         f'prepare.py text --input=...')
     code = args.dataset in ('pystdlib', 'text')
     if args.pairs not in ('', 'docstring', 'ict') or args.pairs == 'docstring' and not code:
         raise ValueError(f'--pairs={args.pairs} is not available for {args.dataset}: '

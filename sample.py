@@ -183,7 +183,7 @@ def sample(argv):
 
 
 def main(argv=None):
-    return run_main(lambda: sample(argv), '')  # Ctrl-C: what was printed stays
+    return run_main(lambda: sample(argv), 'interrupted')  # what was printed stays
 
 
 if __name__ == '__main__':

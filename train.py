@@ -515,7 +515,7 @@ class Batches:
 
 def main(argv=None):
     return run_main(lambda: train_lm(argv), "interrupted: checkpoints are written whole; continue "
-                    "with --init_from=resume (none before the first evaluation: --overwrite)")
+                    "with --init_from=resume (before the first one: start again, --overwrite)")
 
 
 def train_lm(argv):
@@ -525,8 +525,8 @@ def train_lm(argv):
                          "config/demo.py, or give flags (such as --device=cpu) to run them anyway")
     resume, path = None, os.path.join(cfg['out_dir'], 'ckpt.pt')
     if cfg['init_from'] == 'resume':
-        resume = load_checkpoint(path, "to resume, pass the run's --out_dir, or start afresh "
-                                       "with --init_from=scratch")
+        resume = load_checkpoint(path, "to resume, pass the run's --out_dir, or start afresh: "
+                                       "--init_from=scratch --overwrite")
         if resume['kind'] != 'lm':
             raise ValueError(f"{path} is of kind {resume['kind']!r}, not one of train.py's: use "
                              f"another --out_dir, or replace it: --init_from=scratch --overwrite")

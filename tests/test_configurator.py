@@ -182,6 +182,9 @@ REFUSALS = [
     ('train', ['{tmp}/compare.py'], 'compare.py:2'),  # == for =: not silently skipped
     ('sample', ['{tmp}/cut/ckpt.pt'], '--ckpt={tmp}/cut/ckpt.pt'),  # a checkpoint as a preset
     ('train', ['--overwite'], 'did you mean --overwrite'),  # a flag's typo, not "needs a value"
+    ('train', ['-max_iters=3'], 'a flag is written --max_iters=3'),  # not "preset not found"
+    # in order, a preset would undo the flag typed before it: refused, not silently applied
+    ('train', ['--n_layers=3', '{tmp}/small.py'], 'small.py sets --n_layers, given before it'),
     ('train', [*TRAIN, '--max_time=inf', '--max_iters=0'], 'max_time'),  # it would never end
     ('bench', ['memory', '--mem_limit=-5'], 'mem_limit'),
     ('bench', ['generate', *BENCH_TINY, '--methods=cache,windw'], 'windw'),  # before any cell
@@ -263,6 +266,7 @@ def scratch(tmp_path, data_dir):
     """The small files the refusal table names, each wrong in its own way."""
     for name, content in [('file', b'in the way'), ('blank.txt', b'  \n'),
                           ('notpreset.py', b'import os\nn_ctx = 64\n'),
+                          ('small.py', b'n_layers = 2\n'),
                           ('compare.py', b'"""doc"""\nmax_iters == 3\n'),
                           ('latin1.txt', 'déjà vu, naïve café\n'.encode('latin-1')),
                           ('latin1.jsonl',

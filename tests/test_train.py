@@ -323,14 +323,16 @@ def test_a_cpu_names_the_demo_the_prepare_command_and_the_device(argv, says, dat
 
 
 def test_resume_and_fresh_runs_name_the_way_out(data, tmp_path, monkeypatch, capsys):
-    """No checkpoint to resume: start afresh (--init_from=scratch). A folder holding a log but no
+    """No checkpoint to resume: start afresh (--init_from=scratch --overwrite, which a folder left
+    by a run stopped before its first checkpoint needs). A folder holding a log but no
     checkpoint: --overwrite only. Resuming a spent budget says so at once, naming the budget
     spent (a resume keeps the other), and evaluates nothing again. --overwrite starts the run
     afresh. A run that never beats its first evaluation (lr 0) still writes best.pt: step 0's
     weights are never saved. A resume that evaluates otherwise (--eval_iters) chooses best.pt
     afresh, not against a best measured on other batches."""
     argv = [f'--data_dir={data}', f'--out_dir={tmp_path}', *TINY, '--max_iters=4']
-    refused(capsys, 'train', [*argv, '--init_from=resume'], 'start afresh with --init_from=scratch')
+    refused(capsys, 'train', [*argv, '--init_from=resume'],
+            'start afresh: --init_from=scratch --overwrite')
     (tmp_path / 'log.jsonl').write_text('')
     code, _, err = run_main(capsys, 'train', *argv)
     assert code == 2 and '--overwrite' in err and '--init_from=resume' not in err, err
