@@ -184,12 +184,17 @@ def check_output_file(path, flag, overwrite=False):
 
 
 def run_main(body, interrupted='interrupted'):
-    """Every main(): bad input is one `error:` line, status 2; Ctrl-C prints `interrupted`, 130."""
+    """Every main(): bad input, or too little memory, is one `error:` line, status 2; Ctrl-C
+    prints `interrupted`, 130."""
     try:
         return body() or 0
-    except (ValueError, AssertionError) as e:
+    except (ValueError, AssertionError, MemoryError, RuntimeError) as e:
+        oom = isinstance(e, MemoryError) or 'memory' in str(e) and 'allocate' in str(e)
+        if isinstance(e, RuntimeError) and not oom:  # torch's other errors keep their traceback
+            raise
         if os.environ.get('RANK', '0') == '0':
-            print(f"error: {e}", file=sys.stderr)
+            fix = ": lower --batch_size, --n_ctx or the model's size" if oom else ''
+            print(f"error: {str(e) or 'out of memory'}{fix}", file=sys.stderr)
         else:  # every rank refuses alike: rank 0 says it before torchrun stops the others
             time.sleep(1)
         return 2

@@ -111,6 +111,21 @@ def test_check_output_file_takes_a_bare_name_and_refuses_a_folders(tmp_path, mon
     assert not (tmp_path / 'new').exists()
 
 
+def test_out_of_memory_is_one_line_other_torch_errors_keep_their_traceback(capsys):
+    """torch's allocators (CPU and CUDA) and Python's MemoryError end a script with one `error:`
+    line naming the sizes to lower, status 2; any other RuntimeError is a bug: raised whole."""
+    for e, says in ((RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to "
+                                  "allocate 40000000000 bytes."), 'allocate 40000000000'),
+                    (torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2 GiB'), 'CUDA'),
+                    (MemoryError(), 'out of memory')):
+        assert configurator.run_main(lambda: (_ for _ in ()).throw(e)) == 2
+        err = capsys.readouterr().err
+        assert err.startswith('error: ') and says in err and err.count('\n') == 1
+        assert err.endswith(": lower --batch_size, --n_ctx or the model's size\n")
+    with pytest.raises(RuntimeError, match='mat1 and mat2'):
+        configurator.run_main(lambda: (_ for _ in ()).throw(RuntimeError('mat1 and mat2 shapes')))
+
+
 TRAIN = ['--data_dir={data}', '--out_dir={tmp}/out', *TINY]
 SAMPLE = ['--out_dir={trained}']
 EVAL = ['eval', '--ckpt={mixer}', '--pairs={pairs}/pairs_val.jsonl']
