@@ -2,6 +2,7 @@
 by construction, the race."""
 import contextlib, dataclasses, json, os, signal, subprocess, sys, time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,8 +24,8 @@ def tokens(vocab, shape=(2, 16)):
 
 
 def test_bench_throughput_json_holds_each_row_as_it_finishes(tmp_path, monkeypatch, capsys):
-    """An interrupt after two rows leaves both in --json; a row's tokens/s follows from its ms/step
-    (no MFU on a CPU: no datasheet peak)."""
+    """An interrupt after two rows leaves both in --json, and printed under one table header; a
+    row's tokens/s follows from its ms/step (no MFU on a CPU: no datasheet peak)."""
     build = bench.build_model
 
     def build_or_stop(cfg):
@@ -32,10 +33,11 @@ def test_bench_throughput_json_holds_each_row_as_it_finishes(tmp_path, monkeypat
             raise KeyboardInterrupt
         return build(cfg)
     monkeypatch.setattr(bench, 'build_model', build_or_stop)
-    code, _, err = run_main(capsys, 'bench', 'throughput', '--archs=mixer', *BENCH_TINY,
-                            '--n_ctx=16,24,32', '--repeats=2', f'--json={tmp_path}/r.json')
+    code, out, err = run_main(capsys, 'bench', 'throughput', '--archs=mixer', *BENCH_TINY,
+                              '--n_ctx=16,24,32', '--repeats=2', f'--json={tmp_path}/r.json')
     rows = json.loads((tmp_path / 'r.json').read_text())
     assert code == 130 and 'Traceback' not in err and [r['n_ctx'] for r in rows] == [16, 24]
+    assert out.count('| arch |') == 1 and out.count('| mixer |') == 2
     for r in rows:
         assert 'mfu' not in r
         assert r['tokens_per_s'] == pytest.approx(2 * r['n_ctx'] / (r['ms_per_step'] / 1e3))
@@ -65,6 +67,8 @@ def test_bench_memory(tmp_path, capsys):
     assert bench.settings(['throughput', '--full']).n_ctx == [128, 256, 512, 1024]
     eight = bench.settings(['memory', *small, '--n_heads=8'])
     assert [cfg.n_heads for cfg in bench.grid(eight)] == [1, 8]  # the default archs: mixer, llama
+    eight = bench.settings(['memory', *small, '--n_heads=8', '--archs=gmlp,llama'])
+    assert [cfg.n_heads for cfg in bench.grid(eight)] == [1, 8]  # gmlp's one spatial projection
     # the 7 more heads' attention weights kept for backward alone: 7 x 2 rows x 512^2 x 4 bytes x 2
     # layers = 29 MB (peak RSS shows 55 to 100 MB more, depending on the allocator's reuse)
     mb1, mb8 = (bench.main(['memory', *small, '--archs=llama', f'--n_heads={h}'])[0]['mb']
@@ -73,7 +77,9 @@ def test_bench_memory(tmp_path, capsys):
 
 
 def test_bench_generate_methods_and_batches():
-    """window at the first batch size, cache at each; every row a decoding rate."""
+    """window at the first batch size, cache at each (by default batch 1 and 16); every row a
+    decoding rate."""
+    assert bench.settings(['generate']).batch_size == [1, 16]
     rows = bench.main(['generate', '--archs=mixer,llama', *BENCH_TINY, '--batch_size=1,3',
                        '--prompt=4', '--new_tokens=6'])
     runs = (('window', 1), ('cache', 1), ('cache', 3))
@@ -177,11 +183,13 @@ def test_race_replaces_an_earlier_race_only_with_overwrite(tiny_race, capsys):
 
 def test_race_exits_1_when_a_run_fails(data, tmp_path, capsys):
     """A run that diverges (lr 1e30) stops; the race still writes its table, says which run
-    stopped, and exits 1, so that a script running it learns the comparison is incomplete."""
+    stopped, and exits 1 though the other run ended well, so that a script running it learns the
+    comparison is incomplete."""
     code = bench.main(['race', f'--data_dir={data}', f'--out_dir={tmp_path}', *RACE_TINY,
-                       '--max_time=1', '--archs=mixer', '--mixer.lr=1e30'])
+                       '--max_time=1', '--mixer.lr=1e30'])
     assert code == 1 and 'mixer stopped (exit 1)' in capsys.readouterr().out
-    assert json.loads((tmp_path / 'race.json').read_text())['settings']['status'] == {'mixer': 1}
+    assert json.loads((tmp_path / 'race.json').read_text())['settings']['status'] == {
+        'mixer': 1, 'llama': 0}
 
 
 def race_children(out):
@@ -220,6 +228,7 @@ def test_race_ctrl_c_leaves_no_child_behind(data, tmp_path):
     assert race_children(tmp_path) == []
     result = json.loads((tmp_path / 'race.json').read_text())
     assert result['settings']['interrupted']
+    assert result['settings']['status'] == {'mixer': 130, 'llama': 130}  # SIGINT: as a Ctrl-C
     assert all(result['curves'][a] for a in ('mixer', 'llama'))  # step 0's evaluations
 
 
@@ -303,6 +312,38 @@ def test_race_over_context_lengths(data, tmp_path, capsys):
     assert (tmp_path / 'context.png').read_bytes()[:4] == b'\x89PNG'
     assert 'context sweep' in capsys.readouterr().out
     refused(capsys, 'bench', [*argv, '--n_ctx=32,64'], 'earlier sweep')  # context.md: not unasked
+
+
+def test_race_sweep_exits_with_its_worst_race(data, tmp_path, monkeypatch):
+    """A sweep's status is its worst race's: 1 if a run failed (a later race's 0 does not hide
+    it), 130 at an interrupt, which stops the sweep."""
+    argv = ['race', f'--data_dir={data}', f'--out_dir={tmp_path}', *RACE_TINY, '--max_time=1',
+            '--n_ctx=8,16', '--overwrite']
+    for codes, status in ([1, 0], 1), ([0, 1], 1), ([130, 1], 130):
+        ran = []
+        monkeypatch.setattr(bench, 'race_cell',
+                            lambda c: ran.append(c.n_ctx) or ([], codes[len(ran) - 1]))
+        assert bench.main(argv) == status and ran == ([8] if status == 130 else [8, 16])
+
+
+def test_race_reads_only_whole_log_lines(tmp_path, monkeypatch):
+    """A run's log read as it is written: an evaluation cut short at its end waits for the next
+    read (no JSON error)."""
+    class Run:  # a train.py that logged an evaluation and half the next, then exited 0
+        returncode, pid = 0, -1  # no process group: os.killpg refuses it (EINVAL)
+
+        def __init__(self, *args, **kw):
+            (tmp_path / 'mixer').mkdir(exist_ok=True)
+            (tmp_path / 'mixer/log.jsonl').write_text(json.dumps(dict(
+                step=0, time=0.0, tokens_seen=0, val_loss=5.0)) + '\n{"step": 5, "val_loss": 4.')
+
+        def poll(self):
+            return 0
+    monkeypatch.setattr(bench.subprocess, 'Popen', Run)
+    s = SimpleNamespace(dev=torch.device('cpu'), archs=['mixer'], out_dir=str(tmp_path),
+                        runs={'mixer': []})
+    curves, status, interrupted = bench.race_runs(s)
+    assert [e['step'] for e in curves['mixer']] == [0] and status == {'mixer': 0}
 
 
 def test_race_table_seconds_to_each_best():

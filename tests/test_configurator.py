@@ -37,12 +37,17 @@ def test_parse_args_presets_and_overrides(tmp_path):
     with pytest.raises(ValueError, match='schedule'):
         configurator.parse_args(['--schedule=step'], train.DEFAULTS, '', train.CHOICES)
     share = [configurator.parse_args([f'--share_ffn={v}'], train.DEFAULTS, '')['share_ffn']
-             for v in ('0', 'auto')]
-    assert share == [False, None] and train.DEFAULTS['share_ffn'] is None  # None: as ModelConfig
+             for v in ('0', 'auto', 'None')]
+    assert share == [False, None, None] and train.DEFAULTS['share_ffn'] is None  # as ModelConfig
+    # auto is a value of its own for a key whose default is a string
+    assert configurator.parse_args(['--device=auto'], train.DEFAULTS, '')['device'] == 'auto'
     with pytest.raises(ValueError, match='true, false or auto'):
         configurator.parse_args(['--share_ffn=maybe'], train.DEFAULTS, '')
     preset.write_text('n_ctx = undefined_name * 2\n')
     with pytest.raises(ValueError, match=r'p.py:1'):
+        configurator.parse_args([str(preset)], train.DEFAULTS, '')
+    preset.write_text('n_ctx = 64\nbatch_size = = 2\n')  # a syntax error: its line too
+    with pytest.raises(ValueError, match=r'p.py:2: invalid syntax'):
         configurator.parse_args([str(preset)], train.DEFAULTS, '')
     # it types values; ranges are each script's (a key of one script means nothing to another)
     assert configurator.parse_args(['--batch_size=0', '--lr=-1'], dict(batch_size=4, lr=0.1),

@@ -197,6 +197,13 @@ def test_eval_random_scores_are_one_in_n_minus_one():
     assert abs(m['mrr@10'] - sum(1 / r for r in range(1, 11)) / pairs) < 4 * 0.00042
     tied = retrieve.retrieval_metrics(lambda rows: torch.zeros(len(rows), 40), 40, (3, 32), 0)
     assert tied['top1'] == {'3': 0.0, '32': 0.0}  # a tie with a negative is a miss
+    # --seed draws other negatives
+    assert retrieve.retrieval_metrics(lambda rows: q[rows] @ t.T, pairs, (3, 8, 32), 1) != m
+    # query i's match ranks i + 1 (targets j < i score higher): MRR@10 counts ranks 1 to 10
+    ladder = lambda rows: ((torch.arange(20) < rows[:, None]).float()  # noqa: E731
+                           + 0.5 * (torch.arange(20) == rows[:, None]))
+    assert retrieve.retrieval_metrics(ladder, 20, (3,), 0)['mrr@10'] == pytest.approx(
+        sum(1 / r for r in range(1, 11)) / 20, abs=1e-4)
 
 
 def test_bm25_terms_split_identifiers():
@@ -241,6 +248,7 @@ def test_eval_peer(corpus, capsys, tmp_path, monkeypatch):
     assert set(m[str(corpus.mixer)]) == set(bm25)
     assert bm25['top1']['16'] > 50               # the fixture's pairs share their words
     assert len(out.splitlines()) == 5 and out.startswith('48 pairs from')
+    assert len({len(line) for line in out.splitlines()[1:]}) == 1   # the table's columns line up
     monkeypatch.setitem(sys.modules, 'bm25s', None)
     refused(capsys, 'retrieve', ['eval', '--peer=bm25', f'--pairs={pairs}'], 'pip install bm25s')
     argv = ['eval', '--peer=all-MiniLM-L6-v2', f'--pairs={pairs}', '--n=8']
@@ -316,7 +324,7 @@ def test_indirect_trains_on_raw_hidden_states(corpus, capsys, tmp_path, monkeypa
     for c, run in zip((4, 8), parts[2::2]):
         assert run.count('step ') >= 3 and re.search(rf'^c={c}: top-1 [\d.]+%', run, re.M), out
     res = json.loads((tmp_path / 'ind.json').read_text())['c']
-    assert set(res) == {'4', '8'}
+    assert set(res) == {'4', '8'} and json.loads((tmp_path / 'ind.json').read_text())['n_val'] == 48
     assert all(0 <= r['top1'] <= 100 and r['loss'] > 0 for r in res.values())
     ckpt = train.load_checkpoint(tmp_path / 'ind/c8/ckpt.pt')
     assert ckpt['kind'] == 'indirect' and ckpt['embedder']['ckpt'] == os.path.abspath(corpus.mixer)
@@ -370,6 +378,7 @@ def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     assert code == 0, err
     ckpt = train.load_checkpoint(out_dir / 'ckpt.pt')
     assert ckpt['step'] == 70 and ckpt['pool'] == 'mean'
+    assert ckpt['init_from'] == os.path.abspath(mixer)   # the run's start, not its own ckpt.pt
     assert {k: ckpt['config'][k] for k in ('data_dir', 'batch_size', 'lr', 'tau', 'max_iters')} == \
         dict(data_dir=str(data), batch_size=16, lr=2e-3, tau=0.05, max_iters=70)
 
@@ -409,6 +418,22 @@ def test_train_updates_only_what_embeddings_use(corpus, capsys, tmp_path):
         else:
             assert after['config']['negatives'] == 'paper' and 'backbone.wte.weight' in changed
             assert 'lm_head.weight' in before and 'lm_head.weight' not in changed
+        assert (after['pool'], after['padding']) == ('last', 'right')  # the defaults it used
+
+
+def test_paper_negatives_score_each_query_against_its_own_group(corpus, tmp_path, monkeypatch):
+    """--negatives=paper: the loss of a batch of B queries scores query b against its own 31
+    candidates, target rows B + 31b to B + 31b + 30, its match at labels[b]."""
+    seen = {}
+    monkeypatch.setattr(train, 'fit', lambda cfg, rt, model, get_batch, loss_fn, *a: seen.update(
+        model=model, get_batch=get_batch, loss_fn=loss_fn) or dict(stopped='budget'))
+    assert retrieve.main(['train', f'--init_from={corpus.mixer}', f'--data_dir={corpus.data}',
+                          f'--out_dir={tmp_path}', '--negatives=paper', '--batch_size=2']) == 0
+    idx, mask, labels = batch = seen['get_batch']('val', None, 0)
+    e = seen['model'](idx, mask).detach()
+    want = sum(F.cross_entropy(e[2 + 31 * b:33 + 31 * b] @ e[b] / retrieve.TAU, labels[b])
+               for b in range(2)) / 2
+    torch.testing.assert_close(seen['loss_fn'](seen['model'], batch).detach(), want)
 
 
 def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
@@ -481,7 +506,7 @@ def unit(*shape, seed=0):
 
 def test_indirect_validates_on_the_val_embeddings(corpus, tmp_path, monkeypatch):
     """indirect's get_batch(split) reads that split's embeddings: its val loss, and so best.pt,
-    measures val queries against val targets."""
+    measures val queries against val targets. A c past the pairs is capped at them + 1."""
     seen = {}
 
     def fit(cfg, rt, model, get_batch, *args):
@@ -489,9 +514,10 @@ def test_indirect_validates_on_the_val_embeddings(corpus, tmp_path, monkeypatch)
         return dict(step=0, stopped='budget')
     monkeypatch.setattr(train, 'fit', fit)
     assert retrieve.main(['indirect', f'--ckpt={corpus.mixer}', f'--data_dir={corpus.data}',
-                          f'--out_dir={tmp_path}/ind', '--c=4', '--n_layers=1', '--max_iters=1',
+                          f'--out_dir={tmp_path}/ind', '--c=4,999', '--n_layers=1', '--max_iters=1',
                           '--batch_size=16', '--dtype=float32', '--device=cpu']) == 0
     rows, x, labels = seen['get_batch']('val', None, 0)
+    assert x.shape[1] == 49    # the last c: the query and all 48 val targets
     queries, targets = prepare.read_pairs(os.path.join(corpus.data, 'pairs_val.jsonl'))
     embed = retrieve.Embedder(corpus.mixer, 'cpu', 'float32', normalize=False)
     q, t = embed(queries), embed(targets)

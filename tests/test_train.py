@@ -295,11 +295,16 @@ def test_lr_schedule():
 
 
 def test_step_line_shows_elapsed_time(data, tmp_path, capsys):
-    """Each step line ends with the wall time so far (no MFU on a CPU); an unmasked run is warned
-    that its loss measures copying."""
-    assert train_run(data, tmp_path, '--max_iters=10', '--eval_interval=10') == 0
+    """Each step line ends with the wall time so far (no MFU on a CPU); the last line, 2 steps after
+    the one before, is their mean loss (not a sum over log_interval); --grad_clip=0 trains
+    unclipped (not clipped to 0); an unmasked run is warned that its loss measures copying."""
+    assert train_run(data, tmp_path, '--max_iters=12', '--eval_interval=12', '--grad_clip=0') == 0
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('step 5 |')]
     assert len(lines) == 1 and re.search(r'tok/s \| \d:\d\d:\d\d elapsed$', lines[0])
+    logged, evals = records(tmp_path, 'loss'), records(tmp_path, 'val_loss')
+    assert [r['step'] for r in logged] == [5, 10, 12]
+    assert logged[2]['loss'] > 0.7 * logged[1]['loss']
+    assert evals[1]['train_loss'] < evals[0]['train_loss'] - 0.1
     assert 'copying' not in capsys.readouterr().err
     assert train_run(data, tmp_path, '--max_iters=2', '--causal=False', '--overwrite') == 0
     assert 'copying' in capsys.readouterr().err   # unmasked clm reads what it predicts: warned
@@ -328,8 +333,9 @@ def test_resume_and_fresh_runs_name_the_way_out(data, tmp_path, monkeypatch, cap
     checkpoint: --overwrite only. Resuming a spent budget says so at once, naming the budget
     spent (a resume keeps the other), and evaluates nothing again. --overwrite starts the run
     afresh. A run that never beats its first evaluation (lr 0) still writes best.pt: step 0's
-    weights are never saved. A resume that evaluates otherwise (--eval_iters) chooses best.pt
-    afresh, not against a best measured on other batches."""
+    weights are never saved, and best.pt is written only on improvement (a tie is none), before
+    ckpt.pt. A resume that evaluates otherwise (--eval_iters) chooses best.pt afresh, not against a
+    best measured on other batches; else the checkpoint keeps the best it resumed with."""
     argv = [f'--data_dir={data}', f'--out_dir={tmp_path}', *TINY, '--max_iters=4']
     refused(capsys, 'train', [*argv, '--init_from=resume'],
             'start afresh: --init_from=scratch --overwrite')
@@ -348,14 +354,19 @@ def test_resume_and_fresh_runs_name_the_way_out(data, tmp_path, monkeypatch, cap
     assert train_run(data, tmp_path, '--max_iters=2', '--eval_interval=2', '--overwrite') == 0
     assert max(r['step'] for r in records(tmp_path, 'loss')) == 2
     assert weights(tmp_path, 'best.pt')['step'] == 2
-    assert train_run(data, tmp_path, '--lr=0', '--max_iters=2', '--eval_interval=2',
+    written, write = [], train.write_atomic
+    monkeypatch.setattr(train, 'write_atomic', lambda path, data: written.append(
+        os.path.basename(path)) or write(path, data))
+    assert train_run(data, tmp_path, '--lr=0', '--max_iters=4', '--eval_interval=2',
                      '--overwrite') == 0
-    assert weights(tmp_path, 'best.pt')['step'] == 2
-    for max_iters, extra, best in (4, [], 2), (6, ['--eval_iters=3'], 6):
+    assert weights(tmp_path, 'best.pt')['step'] == 2  # step 4's equal loss is no improvement
+    assert written == ['best.pt', 'ckpt.pt', 'ckpt.pt']  # steps 2 and 4, none at step 0
+    for max_iters, extra, best in (6, [], 2), (8, ['--eval_iters=3'], 8):
         torch.save({**weights(tmp_path), 'best_val': -1.0}, tmp_path / 'ckpt.pt')  # unbeatable
         assert train_run(data, tmp_path, '--init_from=resume', f'--max_iters={max_iters}',
                          '--eval_interval=2', *extra) == 0
         assert weights(tmp_path, 'best.pt')['step'] == best
+        assert (weights(tmp_path)['best_val'] == -1.0) == (not extra)
 
 
 def test_resume_takes_the_run_from_its_checkpoint(data, tmp_path, capsys):
@@ -368,6 +379,7 @@ def test_resume_takes_the_run_from_its_checkpoint(data, tmp_path, capsys):
                        f"--warmup_iters={train.DEFAULTS['warmup_iters']}"]) == 0
     ckpt = weights(tmp_path)
     assert ckpt['step'] == 6 and ckpt['model_config']['arch'] == 'gpt'
+    assert ckpt['tokens_seen'] == 6 * 4 * 32  # steps x TINY's batch_size x n_ctx, across the resume
     assert ckpt['config']['warmup_iters'] == train.DEFAULTS['warmup_iters']
     assert ckpt['config']['d_model'] == 32 and ckpt['config']['lr'] == 1e-2   # TINY's, not defaults
     shutil.copytree(data, tmp_path / 'again')  # the same tokens, but as if prepared anew
