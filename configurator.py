@@ -1,6 +1,7 @@
 """The command line of every script, as nanoGPT's configurator.py: defaults, then presets (bare
 words: files of `key = value` lines) and --key=value flags in order, each typed like its default
-(a preset may not undo a flag before it); and the boundaries: bad input is one `error:` line and status 2, files are written whole or not."""
+(a preset may not undo a flag before it); and the boundaries: bad input is one `error:` line and
+status 2, files are written whole or not."""
 import ast, contextlib, difflib, os, sys, tempfile, time
 from pathlib import Path
 

@@ -612,7 +612,7 @@ def run(argv):
 
 def main(argv=None):
     return run_main(lambda: run(argv), "interrupted: finished outputs are whole (train: continue "
-                    "with --init_from=resume; before its first checkpoint: start again, --overwrite)")
+                    "with --init_from=resume; before its first checkpoint: rerun with --overwrite)")
 
 
 if __name__ == '__main__':

@@ -515,7 +515,7 @@ class Batches:
 
 def main(argv=None):
     return run_main(lambda: train_lm(argv), "interrupted: checkpoints are written whole; continue "
-                    "with --init_from=resume (before the first one: start again, --overwrite)")
+                    "with --init_from=resume (before the first one: rerun with --overwrite)")
 
 
 def train_lm(argv):
