@@ -97,7 +97,10 @@ def choose_dtype(device, requested='auto', recorded=None, reading=False):
     """The one dtype rule, as (torch dtype, why): an explicit --dtype as asked; auto keeps the dtype
     a resumed run `recorded` where it is native, else bf16 where native (GPUs of compute capability
     8.0 on; CPUs where oneDNN has bf16 kernels: AVX-512 BW, VL and DQ, or better), fp16 on older
-    GPUs, float32 on other CPUs. Reading a checkpoint (sample.py, retrieve.py): fp32 on a CPU."""
+    GPUs, float32 on other CPUs. Reading a checkpoint (sample.py, retrieve.py): fp32 on a CPU.
+    Applied two ways: training and retrieve.py's embeddings autocast over float32 weights (AdamW
+    steps float32; autocast picks each op's dtype); decoding (sample.py, bench.py generate) casts
+    the weights themselves, as a decoding step's time is spent reading them."""
     cuda = device.type == 'cuda'
     cpu_native = torch.ops.mkldnn._is_mkldnn_bf16_supported() and not os.environ.get(NO_BF16_ENV)
     gpu_bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
