@@ -14,8 +14,8 @@ Conventions
 - targets: shaped like logits[..., 0], the token logits[b, t] should predict; -1 = no loss.
   The data loader shifts (nanoGPT's convention); `objective_targets` builds the other objectives'.
 - mask: optional BoolTensor (B, T), True on real tokens. Attention uses it as a key-padding mask;
-  masked mixers, gMLP and ELiTA ignore it, as the paper's mixers do (causal ones: a right pad
-  reaches only positions after it).
+  masked mixings (a hybrid's too), gMLP and ELiTA ignore it, as the paper's mixers do (causal
+  ones: a right pad reaches only positions after it).
 - cache: optional `Cache`, the decoding state passed explicitly (as nanochat's kv_cache).
 - Language models return (logits, loss): logits (B, T, vocab_size), loss a scalar or None.
 """

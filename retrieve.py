@@ -35,7 +35,7 @@ PAPER_N = 32           # --negatives=paper: a query, its target and 30 non-match
 
 EMBED = dict(  # Embedder's arguments, every command's
     device='auto',          # auto (cuda if present), cpu or cuda[:i]
-    dtype='auto',           # auto: train as train.py; embed in sample.py's (CPU fp32, GPU trained)
+    dtype='auto',           # auto: train as train.py; embed CPU fp32, GPU the trained (autocast)
     batch_size=32,          # texts per forward pass (train: queries per micro-batch)
     pool='',                # last: the state of a text's last token (the paper) | mean: the
                             # mean of its tokens' states; '': the checkpoint's (else last)
@@ -112,12 +112,13 @@ class TextEncoder(torch.nn.Module):
     What happens to the pads. Right padding (the default): a text starts at position 0 and its
     pads come after it. No token of a causal encoder reads a later position, so the pads change
     nothing, and the batch runs only as far as its longest text: each embedding is that of the
-    text alone. Other encoders (causal=False and objective bidirectional read later positions;
-    half blanks from the middle of what it runs) run the whole window, so that an embedding does
-    not depend on the other texts of its batch. Left padding (the paper's §6.1) ends every text at
-    window position n_ctx - 1, one position for a mixer's per-position weights; there the text
-    reads the pads before it (attention masks them as keys; mixers, gMLP and ELiTA mix them in,
-    as the paper's mixer does), and the whole window runs.
+    text alone (up to float rounding). Other encoders (causal=False and objective bidirectional
+    read the pads after the text; half blanks from the middle of what it runs) run the whole
+    window, so an embedding depends on its own pads, never on its batch's other texts. Left
+    padding (the paper's §6.1) ends every text at window position n_ctx - 1, one position for a
+    mixer's per-position weights; there the text reads the pads before it (attention masks them
+    as keys; masked mixings, a hybrid's too, gMLP and ELiTA mix them in, as the paper's mixer
+    does), and the whole window runs.
     Its state_dict is the model's, so its checkpoints are ordinary model checkpoints."""
 
     def __init__(self, model, pool='last', padding='right', normalize=True):

@@ -46,7 +46,8 @@ LOOP_DEFAULTS = dict(
     eval_seconds=0.0,       # > 0: evaluate every this many seconds of training instead
     eval_iters=20,
     log_interval=10,
-    dtype='auto',           # auto: bf16 where native (CUDA, some CPUs), else fp32 (old GPUs: fp16)
+    dtype='auto',           # auto: bf16 where native (CUDA, some CPUs), else fp32 (old GPUs: fp16);
+                            # a resume keeps the run's
     device='auto',          # auto = cuda if available, else cpu
     compile=False,
     seed=1337,              # the initial weights and every batch
@@ -190,6 +191,7 @@ class Runtime:
             if self.distributed:
                 self.device = torch.device('cuda', int(os.environ.get('LOCAL_RANK', 0)))
             torch.cuda.set_device(self.device)
+            # float32 matmuls in TF32 where the GPU has it, as nanoGPT (training runs only)
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         torch.manual_seed(cfg['seed'])  # identical initial weights on every rank
 
