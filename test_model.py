@@ -635,7 +635,8 @@ def test_bad_inputs_are_assertions():
 
 
 def test_stream_runs_one_forward_per_yielded_token():
-    """A drained stream of n tokens runs the prefill and n - 1 cached steps, none after the last."""
+    """A drained stream of n tokens runs the prefill and n - 1 cached steps, none after the last;
+    a step's logits are float32 whatever the weights' dtype."""
     model, calls = tiny_model(), []
 
     def step(tok, pos, cache):
@@ -643,3 +644,5 @@ def test_stream_runs_one_forward_per_yielded_token():
         return model.step(tok, pos, cache)
     assert len(list(model.stream(prompt(4), 3, temperature=0, step=step))) == 3
     assert calls == [4, 5]                     # the 2nd and 3rd tokens; the 1st is the prefill's
+    half = tiny_model().to(torch.bfloat16)
+    assert half.step(prompt(4), 0, M.Cache(N_CTX)).dtype == torch.float32

@@ -15,13 +15,16 @@ from tests.conftest import HERE, tokenizer, train_run, run_main, refused
 
 def test_pystdlib_subset_agrees_with_meta_and_splits_by_module(stdlib_dir, capsys):
     """Every document is one module, verbatim, in its hash-assigned split; docstring pairs follow
-    the module split; an unchanged rerun is a no-op that touches no file."""
+    the module split; test folders and generated tables are left out; an unchanged rerun is a no-op
+    that touches no file."""
     meta, docs, pairs = read_folder(stdlib_dir)
     assert meta['dataset'] == 'pystdlib' and meta['vocab_size'] == 400 and meta['train_docs'] == 150
     assert meta['val_docs'] > 0 and meta['source']['python'] == platform.python_version()
     assert meta['source']['files'] == meta['train_docs'] + meta['val_docs']
     root, files = prepare.stdlib_files()
     assert not {'test', 'tests', 'site-packages'} & {p for f in files for p in f.split('/')[:-1]}
+    generated = {'encodings/cp1252.py', 'pydoc_data/topics.py'}  # tables, not code: left out
+    assert 'encodings/utf_8.py' in files and not generated & set(files)
     sources = {open(os.path.join(root, f), encoding='utf-8').read(): f for f in files}
     assert all(prepare.split_of(sources[d], 0.05) == s for s in docs for d in docs[s])
     # no val module's code among the train targets (a few small helpers exist verbatim in two
@@ -72,7 +75,7 @@ def test_tokenizer_round_trips_and_trains_deterministically(stdlib_dir, tmp_path
             pulled.append(i)
             yield 'train' if i % 10 else 'val', str(i), prose(rng, 10)
     prepare.train_tokenizer(documents, 2, 400, tmp_path / 'a.model')
-    assert 40 < len(pulled) < 400  # ~20 kB of every other training document, not the whole stream
+    assert 80 < len(pulled) < 140  # ~20 kB of every other training document (54 of all of them)
     prepare.train_tokenizer(documents, 2, 400, tmp_path / 'b.model')
     assert (tmp_path / 'a.model').read_bytes() == (tmp_path / 'b.model').read_bytes()
 
@@ -153,8 +156,9 @@ def test_docstring_and_ict_pairs():
 
 def test_text_dataset_pairs(tmp_path, stdlib_dir, capsys):
     """A folder (binary files skipped, bytes not UTF-8 read as U+FFFD) or a glob becomes documents
-    with their docstring or ICT pairs; a prepared folder inside its input is not read back. Only
-    regular files are read: a pipe would block, a broken link fail (listed, never opened here)."""
+    with their docstring or ICT pairs (a file matched twice: once); a prepared folder inside its
+    input is not read back. Only regular files are read: a pipe would block, a broken link fail
+    (listed, never opened here)."""
     (tmp_path / 'src').mkdir()
     for i in range(12):
         (tmp_path / f'src/mod{i}.py').write_text(FIXTURE_PY.replace('Stack', f'Stack{i}'))
@@ -165,6 +169,7 @@ def test_text_dataset_pairs(tmp_path, stdlib_dir, capsys):
     os.symlink(tmp_path / 'nowhere', tmp_path / 'dangling')
     root, rels = prepare.text_files([f'{tmp_path}/*', f'{tmp_path}/src'], f'{tmp_path}/out')
     assert root == str(tmp_path / 'src') and 'blob.bin' in rels  # the pipe and the link: left out
+    assert len(rels) == len(set(rels)) == 26  # src/* matched twice: once
     tok = f'--tokenizer={stdlib_dir}/tokenizer.model'
     args = ['text', f'--input={tmp_path}/src', '--pairs=docstring', tok,
             f'--out_dir={tmp_path}/src/d']
@@ -245,7 +250,7 @@ def test_tiktoken_specials_offline(monkeypatch):
 
 def test_hub_text_datasets(tmp_path, hub):
     """TinyStories, found through $HF_ENDPOINT, downloads into --download_dir (--max_docs cuts
-    train only)."""
+    train only; a corpus with as many pieces as asked for: no warning)."""
     r = hub_cli(tmp_path, 'tinystories', '--max_docs=30', env={'HF_ENDPOINT': hub.url})
     assert r.returncode == 0, r.stderr
     name = 'TinyStories/TinyStories-train.txt'
@@ -253,11 +258,13 @@ def test_hub_text_datasets(tmp_path, hub):
     meta, docs, _ = read_folder(tmp_path / 'data/tinystories')
     assert docs['train'] == hub.stories[:30] and docs['val'] == hub.stories[40:]
     assert meta['source']['repo'] == 'roneneldan/TinyStories'
+    assert meta['vocab_size'] == 400 and 'warning' not in r.stderr  # as many pieces as asked for
 
 
 def test_hub_parquet_shards(tmp_path, hub):
     """fineweb-edu reads only sample/10BT's shards, in order, stopping at --max_tokens (refused
-    where that leaves val empty); finemath its folder."""
+    where that leaves val empty), the column named text, skipping empty texts; --max_docs stops
+    before the next shard is downloaded; finemath its folder."""
     r = hub_cli(tmp_path, 'fineweb-edu', f'--hub_url={hub.url}', '--pairs=ict', '--max_tokens=6000')
     assert r.returncode == 0, r.stderr
     meta, docs, pairs = read_folder(tmp_path / 'data/fineweb-edu')
@@ -269,6 +276,10 @@ def test_hub_parquet_shards(tmp_path, hub):
     assert pairs['train'] and all(p['query'] not in p['target'] for p in pairs['train'])
     r = hub_cli(tmp_path, 'fineweb-edu', f'--hub_url={hub.url}', '--max_tokens=10', '--out_dir=x')
     assert r.returncode == 2 and 'before its first val document' in r.stderr   # the stream stopped
+    (tmp_path / 'cut').mkdir()  # --max_docs stops the stream: the next shard is not downloaded
+    r = hub_cli(tmp_path / 'cut', 'fineweb-edu', f'--hub_url={hub.url}', '--max_docs=5')
+    assert r.returncode == 0, r.stderr
+    assert os.listdir(tmp_path / 'cut/downloads/fineweb-edu/sample/10BT') == ['000_00000.parquet']
     r = hub_cli(tmp_path, 'finemath', f'--hub_url={hub.url}')
     assert r.returncode == 0, r.stderr
     meta, docs, pairs = read_folder(tmp_path / 'data/finemath')
@@ -278,7 +289,8 @@ def test_hub_parquet_shards(tmp_path, hub):
 
 def test_hub_unreachable_says_what_to_download(tmp_path, hub):
     """Out of reach, prepare fails in seconds naming each file's URL and where to put it; following
-    that works offline, and a prepared folder then reruns as a no-op without the hub."""
+    that works offline (still-missing files only are named), and a prepared folder then reruns as a
+    no-op without the hub; offline, the shards already downloaded are read, in order."""
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         dead = f'http://127.0.0.1:{s.getsockname()[1]}'  # closed once the block ends
@@ -292,6 +304,9 @@ def test_hub_unreachable_says_what_to_download(tmp_path, hub):
         assert str(wanted) in r.stderr
         wanted.parent.mkdir(parents=True, exist_ok=True)
         wanted.write_bytes(hub.files[f'roneneldan/TinyStories/{name}'])
+        if 'valid' in name:  # only the files still missing are named
+            r = hub_cli(tmp_path, 'tinystories', f'--hub_url={dead}')
+            assert r.returncode == 2 and name not in r.stderr and 'train.txt' in r.stderr
     r = hub_cli(tmp_path, 'tinystories', f'--hub_url={dead}')
     assert r.returncode == 0, r.stderr
     assert read_folder(tmp_path / 'data/tinystories')[1]['val'] == hub.stories[40:]
@@ -299,6 +314,15 @@ def test_hub_unreachable_says_what_to_download(tmp_path, hub):
     assert r.returncode == 0 and 'up to date' in r.stdout
     r = hub_cli(tmp_path, 'fineweb-edu', f'--hub_url={dead}')
     assert r.returncode == 2 and r.stderr.count('\n') == 1 and 'sample/10BT' in r.stderr
+    for name in ('001_00000.parquet', '000_00000.parquet'):  # offline: the shards there, in order
+        path = tmp_path / 'downloads/fineweb-edu/sample/10BT' / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(hub.files[f'HuggingFaceFW/fineweb-edu/sample/10BT/{name}'])
+    r = hub_cli(tmp_path, 'fineweb-edu', f'--hub_url={dead}')
+    assert r.returncode == 0 and 'using the 2 shards' in r.stderr, r.stderr
+    docs = read_folder(tmp_path / 'data/fineweb-edu')[1]
+    texts = hub.shards[0] + hub.shards[1]
+    assert sorted(docs['train'], key=texts.index) == docs['train'] and len(docs['train']) > 40
 
 
 @pytest.mark.parametrize('n_files', [1, 12])
@@ -322,6 +346,7 @@ def test_small_corpus_gets_a_val_split(n_files, tmp_path, capsys):
         assert code.endswith('\n' + val) and len(code) // 20 < len(val) <= len(code) // 10
     else:  # all 12 hash to train, so val is carved, before --max_docs cuts train: the same val
         assert 'val is the end of the corpus' in out.out
+        assert f"train_tokens {meta['train_tokens']:,}, val_tokens" in out.out  # the report line
         assert prepare.main(['text', f'--input={tmp_path}/src', f'--out_dir={tmp_path}/two',
                              '--vocab_size=100000', '--max_docs=2']) == 0
         meta2, docs2, _ = read_folder(tmp_path / 'two')
@@ -369,6 +394,35 @@ def test_a_byte_order_mark_is_not_text(tmp_path):
     assert list(prepare.eot_documents(tmp_path / 'bom.py')) == [src]
     assert configurator.read_text_file(str(tmp_path / 'bom.py'), 'file') == src
     assert list(prepare.docstring_pairs(src)) == [('Add one.', 'def add(x):\n    return x + 1')]
+
+
+def test_a_file_of_several_documents_keys_each_one(tmp_path):
+    """A file cut at <|endoftext|> lines gives documents keyed file#i, each split by its own key's
+    hash; blank documents are skipped (their numbers kept); a file of one document is keyed file."""
+    (tmp_path / 'many.txt').write_text('one\n<|endoftext|>\n  \n<|endoftext|>\ntwo\n')
+    (tmp_path / 'solo.txt').write_text('solo\n')
+    args = types.SimpleNamespace(dataset='text', input=[str(tmp_path)], out_dir=f'{tmp_path}/out',
+                                 exclude=[], holdout=[])
+    docs = list(prepare.local_documents(args, 0.5)[0]())
+    assert [(k, t) for _, k, t in docs] == [('many.txt#0', 'one\n'), ('many.txt#2', 'two\n'),
+                                           ('solo.txt', 'solo\n')]
+    assert all(s == prepare.split_of(k, 0.5) for s, k, _ in docs)
+
+
+def test_a_vocabulary_past_uint16_is_stored_as_uint32(tmp_path, stdlib_dir, monkeypatch):
+    """Past 65535 pieces the token files are uint32 (uint16 would wrap the larger ids)."""
+    init = prepare.Tokenizer.__init__
+
+    def big(self, *args):
+        init(self, *args)
+        self.vocab_size = 70_000
+    monkeypatch.setattr(prepare.Tokenizer, '__init__', big)
+    (tmp_path / 'a.txt').write_text('some text\n' * 50)
+    assert prepare.main(['text', f'--input={tmp_path}/a.txt', f'--out_dir={tmp_path}/d',
+                         f'--tokenizer={stdlib_dir}/tokenizer.model']) == 0
+    meta = json.loads((tmp_path / 'd/meta.json').read_text())
+    assert meta['dtype'] == 'uint32' and meta['vocab_size'] == 70_000
+    assert os.path.getsize(tmp_path / 'd/train.bin') == 4 * meta['train_tokens']
 
 
 def test_a_failed_prepare_leaves_no_temporary_files(tmp_path, capsys):
@@ -428,7 +482,8 @@ def prose(rng, sentences):
 
 def parquet(texts):
     buf = io.BytesIO()
-    pq.write_table(pa.table({'text': texts, 'id': [str(i) for i in range(len(texts))]}), buf)
+    ids = [str(i) for i in range(len(texts))]  # text not first: finemath's is not either
+    pq.write_table(pa.table({'id': ids, 'text': texts}), buf)
     return buf.getvalue()
 
 
@@ -443,7 +498,8 @@ def hub():
     files = {
         'roneneldan/TinyStories/TinyStories-train.txt': eot(stories[:40]),
         'roneneldan/TinyStories/TinyStories-valid.txt': eot(stories[40:]),
-        'HuggingFaceFW/fineweb-edu/sample/10BT/000_00000.parquet': parquet(shards[0]),
+        'HuggingFaceFW/fineweb-edu/sample/10BT/000_00000.parquet':  # empty texts: skipped
+            parquet(shards[0] + ['', ' \n', None]),
         'HuggingFaceFW/fineweb-edu/sample/10BT/001_00000.parquet': parquet(shards[1]),
         'HuggingFaceFW/fineweb-edu/data/CC-MAIN-2024-10/000_00000.parquet': parquet(['not in it']),
         'HuggingFaceTB/finemath/finemath-4plus/train-00000-of-00064.parquet': parquet(shards[1])}

@@ -1,6 +1,6 @@
 """sample.py: the command line, greedy window == cache, compiled decoding and its CUDA graphs'
 bookkeeping, streaming."""
-import contextlib, dataclasses, os, shutil, types
+import contextlib, dataclasses, os, re, shutil, types
 
 import pytest
 import torch
@@ -14,13 +14,17 @@ from tests.conftest import (N_CTX, name, VARIANTS, perturbed, tiny_model, prompt
 @pytest.mark.parametrize('variant', VARIANTS, ids=name)
 def test_decode_layout_changes_strides_not_tokens(variant):
     """decode_layout (sample.py and bench.py call it) stores wide Linear weights column-major for
-    faster batch-1 GEMVs: the same greedy tokens, logits equal up to summation order."""
+    faster batch-1 GEMVs (square and tall ones left alone): the same greedy tokens, logits equal up
+    to summation order."""
     model = tiny_model(**variant)
     before = decode(model, prompt(5), N_CTX, 'cache')
     sample.decode_layout(model)
     wide = [m.weight for m in model.modules()
             if isinstance(m, torch.nn.Linear) and m.out_features > m.in_features]
     assert wide and all(w.t().is_contiguous() for w in wide)
+    rest = [m.weight for m in model.modules()  # square and tall ones: as they were
+            if isinstance(m, torch.nn.Linear) and m.out_features <= m.in_features]
+    assert rest and all(w.is_contiguous() for w in rest)
     after = decode(model, prompt(5), N_CTX, 'cache')
     assert torch.equal(before[0], after[0])
     torch.testing.assert_close(before[1], after[1], atol=1e-5, rtol=1e-6)
@@ -102,7 +106,7 @@ def test_cli_seeds_batches_and_prompts(trained, data, tmp_path, capsys):
     """Same seed, same sample (from out_dir's best.pt); --num_samples=N decodes N rows in one batch,
     different at temperature 1, each the batch-1 sample when greedy. No prompt starts from BOS;
     FILE: reads a file; a long prompt keeps its last n_ctx - 1 tokens, announced. --compile prints
-    the greedy tokens, its compile time on a line apart from the tokens/s."""
+    the greedy tokens, its compile time on a line apart from the tokens/s (new tokens / seconds)."""
     argv = [f'--out_dir={trained}', '--prompt=def f1_', '--max_new_tokens=40', '--seed=3']
     code, out, err = run_main(capsys, 'sample', *argv)
     assert code == 0 and 'best.pt' in err and out.startswith('def f1_') and len(out) > 8
@@ -112,8 +116,12 @@ def test_cli_seeds_batches_and_prompts(trained, data, tmp_path, capsys):
     first, second = two.split('\n' + '-' * 40 + '\n')
     assert first.startswith('def f1_') and second.startswith('def f1_') and first != second
     one = run_main(capsys, 'sample', *argv, '--temperature=0')[1]
-    three = run_main(capsys, 'sample', *argv, '--temperature=0', '--num_samples=3')[1]
+    _, three, err = run_main(capsys, 'sample', *argv, '--temperature=0', '--num_samples=3')
     assert three == (one + '-' * 40 + '\n') * 2 + one
+    n, dt, rate = map(float, re.search(  # tokens/s: the new tokens over the seconds
+        r'^(\d+) tokens \(3 samples in one batch\) in ([\d.]+) s \(([\d.]+) tokens/s\)$', err,
+        re.M).groups())
+    assert n > 0 and abs(rate * dt - n) <= 0.006 * rate + 1, err
     code, out, err = run_main(capsys, 'sample', *argv, '--temperature=0', '--compile')
     assert code == 0 and out == one, err
     assert err.splitlines()[-2].startswith('compiled the cached step in'), err

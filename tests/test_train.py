@@ -297,7 +297,8 @@ def test_lr_schedule():
 def test_step_line_shows_elapsed_time(data, tmp_path, capsys):
     """Each step line ends with the wall time so far (no MFU on a CPU); the last line, 2 steps after
     the one before, is their mean loss (not a sum over log_interval); --grad_clip=0 trains
-    unclipped (not clipped to 0); an unmasked run is warned that its loss measures copying."""
+    unclipped (not clipped to 0); an unmasked run is warned that its loss measures copying; the
+    header counts the tokens of a step's micro-batches."""
     assert train_run(data, tmp_path, '--max_iters=12', '--eval_interval=12', '--grad_clip=0') == 0
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('step 5 |')]
     assert len(lines) == 1 and re.search(r'tok/s \| \d:\d\d:\d\d elapsed$', lines[0])
@@ -306,8 +307,11 @@ def test_step_line_shows_elapsed_time(data, tmp_path, capsys):
     assert logged[2]['loss'] > 0.7 * logged[1]['loss']
     assert evals[1]['train_loss'] < evals[0]['train_loss'] - 0.1
     assert 'copying' not in capsys.readouterr().err
-    assert train_run(data, tmp_path, '--max_iters=2', '--causal=False', '--overwrite') == 0
-    assert 'copying' in capsys.readouterr().err   # unmasked clm reads what it predicts: warned
+    assert train_run(data, tmp_path, '--max_iters=2', '--causal=False', '--overwrite',
+                     '--grad_accum=2') == 0
+    out = capsys.readouterr()
+    assert 'copying' in out.err   # unmasked clm reads what it predicts: warned
+    assert '256 tokens per step' in out.out  # the header: 4 rows x 2 micro-steps x n_ctx 32
 
 
 @pytest.mark.parametrize('argv,says', [
@@ -325,6 +329,27 @@ def test_a_cpu_names_the_demo_the_prepare_command_and_the_device(argv, says, dat
     argv = [os.path.join(HERE, a) if a.endswith('.py') else a.format(data=data) for a in argv]
     code, _, err = run_main(capsys, 'train', *argv)
     assert code == 2 and all(w in err for w in says) and not os.listdir(tmp_path), err
+
+
+def test_a_bare_run_with_a_gpu_is_not_refused(tmp_path, monkeypatch, capsys):
+    """Only a CPU refuses a bare `python train.py`: with a GPU it goes on (here to the missing data,
+    named with its prepare command)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    code, _, err = run_main(capsys, 'train')
+    assert code == 2 and 'python prepare.py' in err and 'config/demo.py' not in err, err
+
+
+def test_uint32_token_files_read_as_their_uint16_twins(data, tmp_path):
+    """Batches reads a folder of uint32 ids (a vocabulary past 65535): sized by its dtype."""
+    meta = train.load_meta(data)
+    shutil.copytree(data, tmp_path / 'd')
+    for s in ('train', 'val'):
+        np.fromfile(f'{data}/{s}.bin', np.uint16).astype(np.uint32).tofile(tmp_path / f'd/{s}.bin')
+    cfg = dict(train.DEFAULTS, n_ctx=16, batch_size=2)
+    want = train.Batches(cfg, meta, data)('val', None, 0)[0]
+    got = train.Batches(cfg, {**meta, 'dtype': 'uint32'}, tmp_path / 'd')('val', None, 0)[0]
+    assert torch.equal(want, got)
 
 
 def test_resume_and_fresh_runs_name_the_way_out(data, tmp_path, monkeypatch, capsys):
@@ -419,13 +444,14 @@ def test_a_split_shorter_than_a_window_is_refused(data, tmp_path, capsys):
 
 
 @pytest.mark.parametrize('name,damage', [('train.bin', lambda b: b[:-64]), ('val_docs.npy', None),
+                                         ('val.bin', lambda b: b + b[:64]),
                                          ('meta.json', lambda b: b[:len(b) // 2]),
                                          ('meta.json', lambda b: b'{"foo": 1}'),
                                          ('meta.json', lambda b: b'[1, 2]'),
                                          ('tokenizer.model', lambda b: b'not a model')])
 def test_data_files_must_agree_with_meta(name, damage, data, tmp_path, capsys):
-    """A truncated token file, a corrupt or foreign meta.json, a missing offsets file, a damaged
-    tokenizer: each refused by name."""
+    """A truncated or overlong token file, a corrupt or foreign meta.json, a missing offsets file, a
+    damaged tokenizer: each refused by name."""
     shutil.copytree(data, tmp_path / 'data')
     path = tmp_path / 'data' / name
     path.write_bytes(damage(path.read_bytes())) if damage else path.unlink()
