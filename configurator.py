@@ -24,8 +24,8 @@ def parse_args(argv, defaults, doc, choices=None, positional=None, modes=None):
             raise ValueError(f"{arg} is the {positional}: write it first, before the flags")
         if not arg.startswith('--'):
             preset = read_preset(arg, cfg)
-            if flagged & preset.keys():  # in order, it would silently undo what was typed
-                late = ', '.join(f'--{k}' for k in sorted(flagged & preset.keys()))
+            late = ', '.join(f'--{k}' for k in sorted(flagged & preset.keys()))
+            if late:  # in order, it would silently undo what was typed
                 raise ValueError(f"{arg} sets {late}, given before it: put the preset first")
             cfg.update({k: typed(k, v, defaults) for k, v in preset.items()})
             continue
