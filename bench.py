@@ -19,7 +19,7 @@ cores; --full swaps in the paper's grid; the command line wins over both. The pa
 settings: --batch_size=16 --n_heads=32.
 """
 import contextlib, importlib.util, inspect, json, os, platform, re, resource, signal, statistics
-import subprocess, sys, time
+import subprocess, sys, time, timeit
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -90,7 +90,6 @@ def settings(argv):
     assert s['steps'] >= 1, f"--steps={s['steps']}: use 1 or more"
     assert s['mem_limit'] >= 0, f"--mem_limit={s['mem_limit']}: use MB >= 0 (0: no limit)"
     s = SimpleNamespace(**s)
-    s.archs = s.archs.split(',')
     for key in ('n_layers', 'n_ctx', 'batch_size'):
         setattr(s, key, int_list(getattr(s, key), key))
     if s.mode != 'generate':
@@ -101,16 +100,12 @@ def settings(argv):
                           else choose_dtype(s.dev, s.dtype))
     s.device, s.dtype = str(s.dev), str(s.torch_dtype)[6:]  # what runs, as memory cells inherit it
     print(f"{s.mode}: {s.device} {s.dtype} ({why})", file=sys.stderr)
-    grid(s)  # a bad arch or size fails here, before any work
+    # every (arch, n_layers, n_ctx) the mode measures: a bad arch or size fails here, before any
+    # work. --n_heads counts attention heads; a mixer's would count mixing heads: mixers keep one
+    s.cfgs = [ModelConfig(arch=arch, vocab_size=s.vocab_size, n_ctx=n_ctx, d_model=s.d_model,
+                          n_layers=n_layers, n_heads=0 if arch in ('mixer', 'gmlp') else s.n_heads)
+              for arch in s.archs.split(',') for n_layers in s.n_layers for n_ctx in s.n_ctx]
     return s
-
-
-def grid(s):
-    """Every (arch, n_layers, n_ctx) the mode measures, as ModelConfigs. --n_heads counts attention
-    heads; a mixer's would count mixing heads, so mixers keep one."""
-    return [ModelConfig(arch=arch, vocab_size=s.vocab_size, n_ctx=n_ctx, d_model=s.d_model,
-                        n_layers=n_layers, n_heads=0 if arch in ('mixer', 'gmlp') else s.n_heads)
-            for arch in s.archs for n_layers in s.n_layers for n_ctx in s.n_ctx]
 
 
 def flags(keys):
@@ -129,24 +124,22 @@ def bench_throughput(s):
     two untimed ones (the allocator's first requests and, with --compile, the compile)."""
     peak = peak_flops(s.dev, s.torch_dtype)
     gen = torch.Generator().manual_seed(s.seed)
-    for cfg in grid(s):
+    for cfg in s.cfgs:
         xy = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx + 1), generator=gen).to(s.dev)
         torch.manual_seed(s.seed)
         model = build_model(cfg).to(s.dev).train()
         step = torch.compile(model) if s.compile else model
         opt = configure_optimizer(model, 1e-4, 0.01)
-        seconds = []
-        for _ in range(2 + s.repeats):
-            sync(s.dev)
-            t0 = time.perf_counter()
+
+        def train_step():
             with autocast(s.dev, s.torch_dtype):
                 loss = step(xy[:, :-1], xy[:, 1:])[1]
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            sync(s.dev)
-            seconds.append(time.perf_counter() - t0)
-        ms = 1e3 * statistics.median(seconds[2:])
+            sync(s.dev)  # the clock stops when the GPU is done
+
+        ms = 1e3 * statistics.median(timeit.repeat(train_step, number=1, repeat=2 + s.repeats)[2:])
         tps = s.batch_size * cfg.n_ctx / (ms / 1e3)
         mfu = {'mfu': flops_per_token(cfg) * tps / peak} if peak else {}  # a known GPU's
         yield row(s, cfg, batch_size=s.batch_size, ms_per_step=ms, tokens_per_s=tps, **mfu)
@@ -162,7 +155,7 @@ def proc_status(key):
 
 
 def memory_cell(s):
-    """bench_memory's child: one forward + backward of grid(s)[0]'s backbone (no lm head); prints
+    """bench_memory's child: one forward + backward of s.cfgs[0]'s backbone (no lm head); prints
     its peak MB as JSON, on a CPU over those the interpreter and torch held before it."""
     torch.ones(64, 64) @ torch.ones(64, 64)   # start the thread pool: the baseline holds it
     cuda = s.dev.type == 'cuda'
@@ -174,7 +167,7 @@ def memory_cell(s):
         limit = proc_status('VmSize') + s.mem_limit * 2**20   # what this process maps, plus it
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
     try:
-        cfg = grid(s)[0]
+        cfg = s.cfgs[0]
         backbone = Backbone(cfg).to(s.dev)
         idx = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx), device=s.dev)
         with autocast(s.dev, s.torch_dtype):
@@ -195,7 +188,7 @@ def bench_memory(s):
     """Each cell's peak MB, a fresh interpreter's (memory_cell), or None if it ran out of memory."""
     keys = {k: getattr(s, k) for k in ('d_model', 'batch_size', 'n_heads', 'vocab_size', 'device',
                                        'dtype', 'mem_limit')}
-    for cfg in grid(s):
+    for cfg in s.cfgs:
         cell = dict(keys, archs=cfg.arch, n_layers=cfg.n_layers, n_ctx=cfg.n_ctx)
         code = f"import bench; bench.memory_cell(bench.settings({['memory', *flags(cell)]!r}))"
         proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
@@ -232,7 +225,7 @@ def bench_generate(s):
         raise ValueError(f"--prompt={s.prompt} plus --new_tokens={s.new_tokens} exceeds "
                          f"n_ctx={min(s.n_ctx)}: shorten them or raise --n_ctx")
     gen = torch.Generator().manual_seed(s.seed)
-    for cfg in grid(s):
+    for cfg in s.cfgs:
         torch.manual_seed(s.seed)
         model = decode_layout(build_model(cfg).to(s.dev, s.torch_dtype).eval())
         if s.compile:  # each model's step is one more graph: stay under the recompile limit
@@ -309,7 +302,6 @@ def represent_rows(model, idx, layers, steps, lr, pad_id=None, seed=0):
                          f"mtp2, half or autoencoder")
     wte = backbone.wte.weight  # eq. 3: a_N = W^+ e_N, W = table^T: W^+ = pinv(table)^T
     e, w_pinv = wte[idx], torch.linalg.pinv(wte)                     # (B, T, d), (d, vocab)
-    rows = []
     for layer in layers:
         O_all = layer_output_fn(backbone, idx, layer)
         for which, O in (('all', O_all), ('last', lambda v: O_all(v)[:, -1:])):
@@ -318,17 +310,16 @@ def represent_rows(model, idx, layers, steps, lr, pad_id=None, seed=0):
             with torch.no_grad():
                 noise = torch.randn(e.shape, generator=gen).to(e.device) / 20
                 eps = l1_per_sequence(O(e + noise), O(e))
-            rows.append(dict(mode='represent', arch=cfg.arch, d_model=cfg.d_model,
-                             n_layers=cfg.n_layers, n_ctx=cfg.n_ctx, layer=layer, positions=which,
-                             hamming=hamming(idx, (e_n @ w_pinv).argmax(-1), pad_id),  # a_N's
-                             loss=loss.mean().item(), epsilon=eps.mean().item(),
-                             converged=(loss <= eps).float().mean().item()))
-    return rows
+            yield dict(mode='represent', arch=cfg.arch, d_model=cfg.d_model, n_layers=cfg.n_layers,
+                       n_ctx=cfg.n_ctx, layer=layer, positions=which,
+                       hamming=hamming(idx, (e_n @ w_pinv).argmax(-1), pad_id),  # a_N's
+                       loss=loss.mean().item(), epsilon=eps.mean().item(),
+                       converged=(loss <= eps).float().mean().item())
 
 
 def bench_represent(s):
     gen = torch.Generator().manual_seed(s.seed)
-    for cfg in [None] if s.ckpt else grid(s):
+    for cfg in [None] if s.ckpt else s.cfgs:
         torch.manual_seed(s.seed)
         ckpt = load_checkpoint(s.ckpt) if s.ckpt else None
         model = model_from_checkpoint(ckpt) if ckpt else build_model(cfg)
@@ -556,8 +547,7 @@ def race_cells(argv):
 
 
 def race_cell(s):
-    """One race of s (race_settings), written to its out_dir: (its table's rows, exit status: 130
-    interrupted, 1 a run failed, else 0)."""
+    """One race of s (race_settings), written to its out_dir: (its table's rows, exit status)."""
     print(f"race: {', '.join(s.archs)}, {s.max_time:g} s of training each, evaluated every "
           f"{s.eval_seconds:g} s; {s.dev} {s.dtype} ({s.why}); runs in {s.out_dir}", flush=True)
     curves, status, interrupted = race_runs(s)

@@ -66,9 +66,9 @@ def test_bench_memory(tmp_path, capsys):
     assert (full.d_model, full.n_layers, full.n_ctx[-1]) == (1024, [2], 8192)
     assert bench.settings(['throughput', '--full']).n_ctx == [128, 256, 512, 1024]
     eight = bench.settings(['memory', *small, '--n_heads=8'])
-    assert [cfg.n_heads for cfg in bench.grid(eight)] == [1, 8]  # the default archs: mixer, llama
+    assert [cfg.n_heads for cfg in eight.cfgs] == [1, 8]  # the default archs: mixer, llama
     eight = bench.settings(['memory', *small, '--n_heads=8', '--archs=gmlp,llama'])
-    assert [cfg.n_heads for cfg in bench.grid(eight)] == [1, 8]  # gmlp's one spatial projection
+    assert [cfg.n_heads for cfg in eight.cfgs] == [1, 8]  # gmlp's one spatial projection
     # the 7 more heads' attention weights kept for backward alone: 7 x 2 rows x 512^2 x 4 bytes x 2
     # layers = 29 MB (peak RSS shows 55 to 100 MB more, depending on the allocator's reuse)
     mb1, mb8 = (bench.main(['memory', *small, '--archs=llama', f'--n_heads={h}'])[0]['mb']
@@ -122,12 +122,12 @@ def test_bench_represent_mixer_beats_llama_other_objectives_and_checkpoints(trai
     assert h['mixer', 'all'] < 0.05 and h['llama', 'all'] > 0.5
     assert all(r['layer'] == 2 for r in rows)
     for objective in ('autoencoder', 'half'):
-        rows = bench.represent_rows(tiny(64, n_ctx=8, d_model=16, objective=objective),
-                                    tokens(64, (1, 8)), [2], steps=3, lr=0.05)
+        rows = list(bench.represent_rows(tiny(64, n_ctx=8, d_model=16, objective=objective),
+                                         tokens(64, (1, 8)), [2], steps=3, lr=0.05))
         assert len(rows) == 2 and all(0 <= r['hamming'] <= 1 for r in rows)
     with pytest.raises(ValueError, match='embedding'):
-        bench.represent_rows(tiny(64, n_ctx=8, d_model=16, objective='bidirectional'),
-                             tokens(64, (1, 8)), [1], steps=3, lr=0.05)
+        list(bench.represent_rows(tiny(64, n_ctx=8, d_model=16, objective='bidirectional'),
+                                  tokens(64, (1, 8)), [1], steps=3, lr=0.05))
     rows = bench.main(['represent', f'--ckpt={trained}/ckpt.pt', f'--data_dir={data}',
                        '--layer=1,2', '--steps=50'])
     assert [(r['layer'], r['positions']) for r in rows] == [(1, 'all'), (1, 'last'), (2, 'all'),
