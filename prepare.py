@@ -174,7 +174,7 @@ def text_files(patterns, out_dir):
         for m in matches:
             files += visible_files(m) if os.path.isdir(m) else [m]
     out_dir = os.path.abspath(out_dir)  # earlier outputs are not input
-    files = [f for f in map(os.path.abspath, dict.fromkeys(files))
+    files = [f for f in dict.fromkeys(map(os.path.abspath, files))  # src/a.py, src/../src/a.py
              if os.path.isfile(f) and os.path.commonpath([f, out_dir]) != out_dir]
     if not files:
         raise ValueError(f"--input {','.join(patterns)} holds no files outside --out_dir")

@@ -167,9 +167,10 @@ def test_text_dataset_pairs(tmp_path, stdlib_dir, capsys):
     (tmp_path / 'src/latin1.md').write_bytes('déjà vu, naïve café\n'.encode('latin-1'))
     os.mkfifo(tmp_path / 'pipe')
     os.symlink(tmp_path / 'nowhere', tmp_path / 'dangling')
-    root, rels = prepare.text_files([f'{tmp_path}/*', f'{tmp_path}/src'], f'{tmp_path}/out')
+    root, rels = prepare.text_files([f'{tmp_path}/*', f'{tmp_path}/src', f'{tmp_path}/src/../src'],
+                                    f'{tmp_path}/out')
     assert root == str(tmp_path / 'src') and 'blob.bin' in rels  # the pipe and the link: left out
-    assert len(rels) == len(set(rels)) == 26  # src/* matched twice: once
+    assert len(rels) == len(set(rels)) == 26  # src/* matched three times, two spellings: once
     tok = f'--tokenizer={stdlib_dir}/tokenizer.model'
     args = ['text', f'--input={tmp_path}/src', '--pairs=docstring', tok,
             f'--out_dir={tmp_path}/src/d']
