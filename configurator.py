@@ -27,7 +27,10 @@ def parse_args(argv, defaults, doc, choices=None, positional=None, modes=None):
             late = ', '.join(f'--{k}' for k in sorted(flagged & preset.keys()))
             if late:  # in order, it would silently undo what was typed
                 raise ValueError(f"{arg} sets {late}, given before it: put the preset first")
-            cfg.update({k: typed(k, v, defaults) for k, v in preset.items()})
+            try:
+                cfg.update({k: typed(k, v, defaults) for k, v in preset.items()})
+            except ValueError as e:  # the key is the file's, not one typed on the command line
+                raise ValueError(f"{arg}: {e}") from None
             continue
         key, eq, value = arg[2:].partition('=')
         key = key.replace('-', '_')

@@ -520,8 +520,9 @@ def carve(read):
 
 
 def remove_tmp(out_dir):
-    for name in OUTPUTS:
-        Path(out_dir, name + '.tmp').unlink(missing_ok=True)
+    for name in OUTPUTS:  # (out_dir may be a file: main calls this on its refusal too)
+        if os.path.isfile(path := os.path.join(out_dir, name + '.tmp')):
+            os.remove(path)
 
 
 def prepare(args):
