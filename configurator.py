@@ -198,7 +198,7 @@ def run_main(body, interrupted='interrupted'):
             raise
         if os.environ.get('RANK', '0') == '0':
             fix = ": lower --batch_size, --n_ctx or the model's size" if oom else ''
-            print(f"error: {str(e) or 'out of memory'}{fix}", file=sys.stderr)
+            print(f"error: {str(e) or ('out of memory' if oom else repr(e))}{fix}", file=sys.stderr)
         else:  # every rank refuses alike: rank 0 says it before torchrun stops the others
             time.sleep(1)
         return 2

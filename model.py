@@ -281,6 +281,7 @@ class Backbone(nn.Module):
         assert x.dim() == 3, "idx: (B, T) token ids"  # embedded here or by the caller
         cfg, T = self.cfg, x.shape[1]
         assert pos + T <= cfg.n_ctx, f"{pos + T} positions exceed n_ctx={cfg.n_ctx}: crop them"
+        assert cache is not None or pos == 0, "pos > 0 reads positions [0, pos) from a cache"
         if self.wpe is not None:
             x = x + self.wpe.weight[pos:pos + T]
         at = torch.arange(pos, pos + T, device=x.device)
@@ -337,7 +338,8 @@ class LanguageModel(nn.Module):
         """Logits (B, vocab) after idx (B, T) at window positions [pos, pos + T), reading and
         extending cache: a cached decoding step, a function of its arguments (compilable). One
         token at p costs per layer ~(p + 1)·d multiply-adds of mixing over the cached rows (mixer;
-        x kernel; attention 2(p + 1)·d), beside the d² of projections and feed-forward."""
+        x kernel, x n_convs, two mixings if expanded; attention 2(p + 1)·d; a hybrid both), beside
+        the d² of projections and feed-forward."""
         return self.lm_head(self.backbone(idx, pos, cache)[:, -1]).float()
 
     @torch.no_grad()

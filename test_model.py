@@ -83,6 +83,13 @@ def test_window_equals_cache_equals_full_forward(variant):
     torch.testing.assert_close(logit_c[:, :N_CTX - 5], full[:, 4:-1], atol=1e-4, rtol=0)
 
 
+def test_a_window_position_past_0_needs_the_cache():
+    """Without a cache, inputs count from position 0 while outputs sit at [pos, pos + T): output
+    pos would read token pos + 1. So pos > 0 is refused without the cache that holds [0, pos)."""
+    with pytest.raises(AssertionError, match='cache'):
+        make(tiny())(torch.zeros(1, 2, dtype=torch.long), pos=2)
+
+
 # ==================================================================================================
 # 2. the golden run: train.py end to end with its numbers pinned, as llama2.c's test_all.py pins
 # its model's output. Recorded at one thread, float32, seed 1337, on the `data` corpus.

@@ -129,6 +129,8 @@ def test_out_of_memory_is_one_line_other_torch_errors_keep_their_traceback(capsy
         assert err.endswith(": lower --batch_size, --n_ctx or the model's size\n")
     with pytest.raises(RuntimeError, match='mat1 and mat2'):
         configurator.run_main(lambda: (_ for _ in ()).throw(RuntimeError('mat1 and mat2 shapes')))
+    configurator.run_main(lambda: (_ for _ in ()).throw(AssertionError()))  # a library's bare one
+    assert capsys.readouterr().err == 'error: AssertionError()\n'  # not called out of memory
 
 
 TRAIN = ['--data_dir={data}', '--out_dir={tmp}/out', *TINY]
