@@ -112,10 +112,9 @@ class TextEncoder(torch.nn.Module):
     What happens to the pads. Right padding (the default): a text starts at position 0 and its
     pads come after it. No token of a causal encoder reads a later position, so the pads change
     nothing, and the batch runs only as far as its longest text: each embedding is that of the
-    text alone (up to float rounding). Other encoders (causal=False and objective bidirectional
-    read the pads after the text, attention masking them as keys; half blanks from the middle of
-    what it runs) run the whole window: a mixer's embedding depends on its own pads, never on its
-    batch's other texts. Left
+    text alone (up to float rounding). Other encoders (causal=False, objective bidirectional: the
+    pads after the text are read by mixings, masked by attention; half blanks from the middle) run
+    the whole window: an embedding never depends on its batch's other texts. Left
     padding (the paper's §6.1) ends every text at window position n_ctx - 1, one position for a
     mixer's per-position weights; there the text reads the pads before it (attention masks them
     as keys; masked mixings, a hybrid's too, gMLP and ELiTA mix them in, as the paper's mixer
