@@ -43,6 +43,42 @@ def test_bench_throughput_json_holds_each_row_as_it_finishes(tmp_path, monkeypat
         assert r['tokens_per_s'] == pytest.approx(2 * r['n_ctx'] / (r['ms_per_step'] / 1e3))
 
 
+def test_bench_grid_is_archs_by_layers_by_ctx_and_n_heads_reaches_every_attention_arch():
+    """Rows come arch by arch, then n_layers, then n_ctx (the table's and --json's order); --n_heads
+    sets the heads of every arch with attention, mixers keep their one."""
+    archs = ['mixer', 'llama', 'gpt', 'hybrid', 'gmlp', 'elita']
+    s = bench.settings(['throughput', f'--archs={",".join(archs)}', '--n_layers=1,2',
+                        '--n_ctx=16,32', '--n_heads=2'])
+    assert [(c.arch, c.n_layers, c.n_ctx) for c in s.cfgs] == [
+        (a, n, t) for a in archs for n in (1, 2) for t in (16, 32)]
+    heads = {c.arch: c.n_heads for c in s.cfgs}
+    assert heads == dict(mixer=1, llama=2, gpt=2, hybrid=2, gmlp=1, elita=2)
+
+
+def test_bench_throughput_times_one_step_after_two_untimed_and_waits_for_the_device(monkeypatch):
+    """A stand-in device: each optimizer step queues work that sync() waits for, 0.6 s for the two
+    untimed steps (a compile's, the allocator's), then 0.2 s. --repeats=1: ms/step is the one timed
+    step's 200 ms plus the tiny model's own (~1 ms on the suite's one thread; 150 ms of slack for
+    a loaded machine). Timing the second warm-up too gives 400, two steps per timing 400, a clock
+    that stops before sync ~1, one run fewer no timed step at all."""
+    pending, steps, configure = [], [], bench.configure_optimizer
+
+    def queuing_optimizer(*args):
+        opt = configure(*args)
+        step = opt.step
+
+        def step_and_queue():
+            steps.append(1)
+            pending.append(0.6 if len(steps) <= 2 else 0.2)
+            return step()
+        opt.step = step_and_queue
+        return opt
+    monkeypatch.setattr(bench, 'configure_optimizer', queuing_optimizer)
+    monkeypatch.setattr(bench, 'sync', lambda dev: time.sleep(sum(pending)) or pending.clear())
+    rows = bench.main(['throughput', '--archs=mixer', *BENCH_TINY, '--repeats=1'])
+    assert len(steps) == 3 and 200 <= rows[0]['ms_per_step'] < 350, (steps, rows)
+
+
 def test_bench_memory(tmp_path, capsys):
     """A cell's peak grows with the model, is a row of the table and of --json, and is None (OOM)
     past --mem_limit. --n_heads reaches llama's cells (Table S10 used 32 heads), not a mixer's.

@@ -203,6 +203,7 @@ REFUSALS = [
     ('train', ['{tmp}/notpreset.py'], 'notpreset.py'),  # a preset holds assignments only
     ('train', ['{tmp}/compare.py'], 'compare.py:2'),  # == for =: not silently skipped
     ('train', ['{tmp}/typo.py'], 'typo.py: unknown key --max_iter: did you mean --max_iters'),
+    ('train', ['{tmp}/badvalue.py'], "badvalue.py: --max_iters='many' is not of int type"),
     ('sample', ['{tmp}/cut/ckpt.pt'], '--ckpt={tmp}/cut/ckpt.pt'),  # a checkpoint as a preset
     ('train', ['--overwite'], 'did you mean --overwrite'),  # a flag's typo, not "needs a value"
     ('train', ['-max_iters=3'], 'a flag is written --max_iters=3'),  # not "preset not found"
@@ -290,6 +291,7 @@ def scratch(tmp_path, data_dir):
     for name, content in [('file', b'in the way'), ('blank.txt', b'  \n'),
                           ('notpreset.py', b'import os\nn_ctx = 64\n'),
                           ('small.py', b'n_layers = 2\n'), ('typo.py', b'max_iter = 5\n'),
+                          ('badvalue.py', b"max_iters = 'many'\n"),
                           ('compare.py', b'"""doc"""\nmax_iters == 3\n'),
                           ('latin1.txt', 'déjà vu, naïve café\n'.encode('latin-1')),
                           ('latin1.jsonl',

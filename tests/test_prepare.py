@@ -142,6 +142,8 @@ def test_docstring_and_ict_pairs():
          'class Stack:\n\n    def push(self, x):\n        self.items.append(x)'),
         ('Put x on top.', 'def push(self, x):\n    self.items.append(x)')]
     assert list(docstring_pairs('def broken(:\n    """Nope."""\n')) == []
+    assert list(docstring_pairs('async def get():\n    """Fetch."""\n    return 1\n')) == [
+        ('Fetch.', 'async def get():\n    return 1')]  # an async def is a def too
     sentences = [f'Sentence number {i} has words.' for i in range(8)]
     text = ' '.join(sentences[:4]) + '\n\n' + ' '.join(sentences[4:])
     pairs = list(ict_pairs(text, 'doc'))
@@ -171,6 +173,9 @@ def test_text_dataset_pairs(tmp_path, stdlib_dir, capsys):
                                     f'{tmp_path}/out')
     assert root == str(tmp_path / 'src') and 'blob.bin' in rels  # the pipe and the link: left out
     assert len(rels) == len(set(rels)) == 26  # src/* matched three times, two spellings: once
+    # in the order matched (globs and folders sorted), never a set's: the fingerprint lists the
+    # files in this order, so a hash-seeded one would make every rerun look like new inputs
+    assert rels == sorted(rels)
     tok = f'--tokenizer={stdlib_dir}/tokenizer.model'
     args = ['text', f'--input={tmp_path}/src', '--pairs=docstring', tok,
             f'--out_dir={tmp_path}/src/d']
