@@ -75,7 +75,7 @@ def read_preset(path, cfg):
     """A preset's `key = value` lines as a dict; a value may use earlier keys (n_ctx * 2)."""
     if path.endswith('.pt'):  # python sample.py out/ckpt.pt
         raise ValueError(f"{path} is a checkpoint, not a preset: pass it as --ckpt={path}")
-    if '=' in path and not os.path.exists(path):  # max_iters=3, -max_iters=3
+    if ('=' in path or path[:1] == '-') and not os.path.exists(path):  # max_iters=3, -max_iters
         raise ValueError(f"{path} is no preset file: a flag is written --{path.lstrip('-')}")
     try:
         tree = ast.parse(read_text_file(path, 'preset file (see config/)'), path)

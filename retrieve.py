@@ -508,8 +508,8 @@ def cmd_indirect(cfg):
 def search_index(embedder, files, path, key):
     """The chunks of `files` ({path: text}) and their embeddings, kept in the index file `path` from
     one call to the next: {'key': key, 'files': {absolute path: (sha256 of its text, spans (k, 2),
-    embeddings (k, d_model))}}. Only new and changed files are embedded; the index is written back
-    whole, less deleted files. key: the checkpoint, pool and padding; a stale index is rebuilt."""
+    embeddings (k, d_model))}}. Only texts it lacks are embedded (a moved file is found by sha256),
+    then it is written back whole, less deleted files. key: the checkpoint, pool and padding."""
     index = {'key': key, 'files': {}}
     if os.path.exists(path):
         try:
@@ -518,15 +518,20 @@ def search_index(embedder, files, path, key):
         except Exception as e:  # cut short, or another file
             raise ValueError(f"{path} is not a readable search index ({type(e).__name__}): pass "
                              f"another --index (an index cut short: delete it)") from None
-        if held['key'] == key:  # else stale: another checkpoint's, or one trained on since
+        if held['key'] == key:  # else stale, rebuilt: another checkpoint's, or one trained on
             index = held
+    known = {v[0]: v for v in index['files'].values()}  # by sha256, wherever the text was
     todo, texts = {}, []   # path: (sha256, spans) of the files to embed; their chunks' texts
     for f, text in files.items():
         sha = hashlib.sha256(text.encode()).hexdigest()
-        if index['files'].get(os.path.abspath(f), ('',))[0] != sha:
+        if sha in known:
+            index['files'][os.path.abspath(f)] = known[sha]
+        else:
             todo[f] = sha, chunks_of(f, text, embedder.tok, embedder.n_ctx - 1)  # bos first
             lines = source_lines(text)
             texts += [''.join(lines[a - 1:b]) for a, b in todo[f][1]]
+    if todo:  # before the embedding: an index is updated in place
+        check_output_file(path, 'index', overwrite=True)
     emb = embedder(texts)                                         # (chunks, d_model) unit rows
     for f, (sha, spans) in todo.items():
         rows, emb = emb[:len(spans)], emb[len(spans):]
@@ -542,7 +547,7 @@ def cmd_search(cfg):
     embedder = Embedder(cfg['ckpt'], **{k: cfg[k] for k in EMBED})
     assert cfg['k'] >= 1 and cfg['show'] >= 0, "--k: 1 chunk or more; --show: 0 lines or more"
     files = {}   # path: text, read as prepare.py reads; binary files, hidden ones, pipes left out
-    for path in cfg['docs'].split(','):
+    for path in filter(None, cfg['docs'].split(',')):  # (a trailing comma names nothing)
         if not os.path.exists(path):
             raise ValueError(f"--docs {path} not found")
         for f in visible_files(path) if os.path.isdir(path) else [path]:
@@ -552,9 +557,7 @@ def cmd_search(cfg):
     with open(cfg['ckpt'], 'rb') as f:
         key = ' '.join([hashlib.file_digest(f, 'sha256').hexdigest(), embedder.encoder.pool,
                         embedder.encoder.padding])
-    index = cfg['index'] or cfg['ckpt'] + '.index'
-    check_output_file(index, 'index', True)  # before the embedding; an index is updated in place
-    found, embedded = search_index(embedder, files, index, key)
+    found, embedded = search_index(embedder, files, cfg['index'] or cfg['ckpt'] + '.index', key)
     hits = [(f, span) for f, (_, spans, _) in found.items() for span in spans.tolist()]
     assert hits, f"no text in --docs={cfg['docs']}"
     emb = torch.cat([rows for _, _, rows in found.values()])     # (chunks, d_model) unit rows
@@ -571,7 +574,7 @@ def cmd_search(cfg):
         f, (a, b) = hits[i]
         print(f"{rank}. {value:.3f}  {f}:{a}-{b}")
         for line in source_lines(files[f])[a - 1:min(b, a - 1 + cfg['show'])]:
-            print('   ' + line.rstrip('\r\n'))
+            print('   ' + line.rstrip('\r\n')[:200])  # (a minified file's one line: its start)
     return 0
 
 

@@ -207,6 +207,7 @@ REFUSALS = [
     ('sample', ['{tmp}/cut/ckpt.pt'], '--ckpt={tmp}/cut/ckpt.pt'),  # a checkpoint as a preset
     ('train', ['--overwite'], 'did you mean --overwrite'),  # a flag's typo, not "needs a value"
     ('train', ['-max_iters=3'], 'a flag is written --max_iters=3'),  # not "preset not found"
+    ('train', ['-q'], '-q is no preset file: a flag is written --q'),
     # in order, a preset would undo the flag typed before it: refused, not silently applied
     ('train', ['--n_layers=3', '{tmp}/small.py'], 'small.py sets --n_layers, given before it'),
     ('train', [*TRAIN, '--max_time=inf', '--max_iters=0'], 'max_time'),  # it would never end

@@ -487,6 +487,13 @@ def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
     assert {os.path.basename(f) for f in kept} == {'d1.py', 'd2.py', 'd3.py', 'more.txt'}
     (tmp_path / 'docs/__init__.py').touch()            # new, but no chunk: nothing to embed
     assert search('anything')[1] == 0
+    os.rename(tmp_path / 'docs', tmp_path / 'moved')   # found by its texts: nothing embedded,
+    docs = docs.replace('/docs', '/moved')             # and nothing written (the index may be
+    check = retrieve.check_output_file                 # read-only): no write check
+    monkeypatch.setattr(retrieve, 'check_output_file', None)
+    out, n = search(wanted.strip() + '\n')
+    monkeypatch.setattr(retrieve, 'check_output_file', check)
+    assert n == 0 and re.search(r'^1\. 1\.000  \S+/moved/d1\.py:4-5$', out, re.M), out
     ckpt = tmp_path / 'run/ckpt.pt'   # its default index, ckpt.pt.index, follows the checkpoint
     ckpt.parent.mkdir()
     for trained in (corpus.mixer, corpus.llama):   # trained on since: embedded again, not refused
