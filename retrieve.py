@@ -29,6 +29,7 @@ from prepare import Tokenizer, binary, chunks_of, read_pairs, source_lines, visi
 
 TAU = 0.02             # InfoNCE temperature (eq. 8)
 PAPER_N = 32           # --negatives=paper: a query, its target and 30 non-matching ones (§6.3)
+GROUP = 16384          # search embeds this many chunks at a time: Ctrl-C keeps the files done
 
 
 # ----------------------------------------------------------------------------- each command's keys
@@ -532,13 +533,20 @@ def search_index(embedder, files, path, key):
             texts += [''.join(lines[a - 1:b]) for a, b in todo[f][1]]
     if todo:  # before the embedding: an index is updated in place
         check_output_file(path, 'index', overwrite=True)
-    emb = embedder(texts)                                         # (chunks, d_model) unit rows
-    for f, (sha, spans) in todo.items():
-        rows, emb = emb[:len(spans)], emb[len(spans):]
-        index['files'][os.path.abspath(f)] = sha, torch.tensor(spans).view(-1, 2), rows
-    if todo:  # written back whole, less the files deleted since
-        index['files'] = {f: v for f, v in index['files'].items() if os.path.isfile(f)}
-        write_atomic(path, lambda out: torch.save(index, out))
+    done = [torch.empty(0, embedder.encoder.model.cfg.d_model)]  # unit rows (chunks, d_model)
+    try:
+        for a in range(0, len(texts), GROUP):
+            done.append(embedder(texts[a:a + GROUP]))
+    finally:  # the files whose chunks are all embedded join the index, after a Ctrl-C too
+        emb = torch.cat(done)
+        for f, (sha, spans) in todo.items():
+            if len(spans) > len(emb):
+                break
+            rows, emb = emb[:len(spans)], emb[len(spans):]
+            index['files'][os.path.abspath(f)] = sha, torch.tensor(spans).view(-1, 2), rows
+        if todo:  # written back whole, less the files deleted since
+            index['files'] = {f: v for f, v in index['files'].items() if os.path.isfile(f)}
+            write_atomic(path, lambda out: torch.save(index, out))
     return {f: index['files'][os.path.abspath(f)] for f in files}, len(texts)
 
 

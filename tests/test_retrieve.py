@@ -457,8 +457,8 @@ def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
     (tmp_path / 'more.txt').write_text(texts[3])
     embedded = []
     embed = retrieve.Embedder.embed_tokens
-    monkeypatch.setattr(retrieve.Embedder, 'embed_tokens',
-                        lambda self, seqs: embedded.append(len(seqs)) or embed(self, seqs))
+    counted = lambda self, seqs: embedded.append(len(seqs)) or embed(self, seqs)  # noqa: E731
+    monkeypatch.setattr(retrieve.Embedder, 'embed_tokens', counted)
     docs, index = f'--docs={tmp_path}/docs,{tmp_path}/more.txt', f'--index={tmp_path}/i.pt'
 
     def search(query, *extra):
@@ -487,6 +487,22 @@ def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
     assert {os.path.basename(f) for f in kept} == {'d1.py', 'd2.py', 'd3.py', 'more.txt'}
     (tmp_path / 'docs/__init__.py').touch()            # new, but no chunk: nothing to embed
     assert search('anything')[1] == 0
+    for i in (4, 5):   # two new files of 3 chunks, embedded 4 chunks at a time
+        (tmp_path / f'docs/d{i}.py').write_text(texts[3].replace('(x)', f'(x{i})'))
+    monkeypatch.setattr(retrieve, 'GROUP', 4)
+
+    def ctrl_c_in_the_second_group(self, seqs):
+        embedded.append(len(seqs))
+        if len(embedded) == 2:
+            raise KeyboardInterrupt
+        return embed(self, seqs)
+    monkeypatch.setattr(retrieve.Embedder, 'embed_tokens', ctrl_c_in_the_second_group)
+    embedded.clear()
+    code, out, err = run_main(capsys, 'retrieve', 'search', f'--ckpt={corpus.mixer}', docs, index,
+                              '--query=x')
+    assert code == 130 and embedded == [4, 2], (embedded, err)
+    monkeypatch.setattr(retrieve.Embedder, 'embed_tokens', counted)
+    assert search('anything')[1] == 3                  # d4.py was kept: d5.py's 3 chunks alone
     os.rename(tmp_path / 'docs', tmp_path / 'moved')   # found by its texts: nothing embedded,
     docs = docs.replace('/docs', '/moved')             # and nothing written (the index may be
     check = retrieve.check_output_file                 # read-only): no write check
@@ -499,11 +515,11 @@ def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
     for trained in (corpus.mixer, corpus.llama):   # trained on since: embedded again, not refused
         shutil.copyfile(trained, ckpt)
         code, out, err = run_main(capsys, 'retrieve', 'search', f'--ckpt={ckpt}', docs, '--query=x')
-        assert code == 0 and '13 chunks in 5 files (13 embedded now)' in out, (out, err)
+        assert code == 0 and '19 chunks in 7 files (19 embedded now)' in out, (out, err)
     index = f'--index={ckpt}.index'   # named: the same
     code, out, err = run_main(capsys, 'retrieve', 'search', f'--ckpt={corpus.mixer}', docs, index,
                               '--query=x')
-    assert code == 0 and '13 chunks in 5 files (13 embedded now)' in out, (out, err)
+    assert code == 0 and '19 chunks in 7 files (19 embedded now)' in out, (out, err)
 
 
 def unit(*shape, seed=0):
