@@ -650,9 +650,9 @@ def build_model(cfg):
 def flops_per_token(cfg):
     """Training FLOPs per token, forward + backward, PaLM's count: 6 per weight a token passes
     through (not the embedding tables or the mixing matrices; the lm head counts), plus 6 x rows x
-    inputs x channels / n_ctx per mixing (its whole matrix) and 12 n_ctx d per attention. Counted per use, by
-    tracing one forward on the meta device: a shared feed-forward runs on both streams, mtp2's
-    second pass counts. No discount for the causal mask."""
+    inputs x channels / n_ctx per mixing and 12 n_ctx d per attention. Counted per use, by tracing
+    one forward on the meta device: a shared feed-forward runs on both streams, mtp2's second pass
+    counts. No discount for the causal mask."""
     with torch.device('meta'):
         model = build_model(cfg)
         flops = []
