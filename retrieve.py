@@ -110,16 +110,15 @@ class TextEncoder(torch.nn.Module):
     their tokens -> (B, d_model) unit rows (normalize=False: raw), pooled from the last hidden
     states of a text's own tokens: the last one's (pool last) or their mean (pool mean).
 
-    What happens to the pads. Right padding (the default): a text starts at position 0 and its
-    pads come after it. No token of a causal encoder reads a later position, so the pads change
-    nothing, and the batch runs only as far as its longest text: each embedding is that of the
-    text alone (up to float rounding). Other encoders (causal=False, objective bidirectional: the
-    pads after the text are read by mixings, masked by attention; half blanks from the middle) run
-    the whole window: an embedding never depends on its batch's other texts. Left
-    padding (the paper's §6.1) ends every text at window position n_ctx - 1, one position for a
-    mixer's per-position weights; there the text reads the pads before it (attention masks them
-    as keys; masked mixings, a hybrid's too, gMLP and ELiTA mix them in, as the paper's mixer
-    does), and the whole window runs.
+    What happens to the pads. Right padding (the default): a text starts at position 0 and its pads
+    come after it. No token of a causal encoder reads a later position, so the pads change nothing,
+    and the batch runs only as far as its longest text: each embedding is that of the text alone
+    (up to float rounding). Other encoders (causal=False, objective bidirectional: the pads after
+    the text are read by mixings, masked by attention; half blanks from the middle) run the whole
+    window: an embedding never depends on its batch's other texts. Left padding (the paper's §6.1)
+    ends every text at window position n_ctx - 1, one position for a mixer's per-position weights;
+    there the text reads the pads before it (attention masks them as keys; masked mixings, a
+    hybrid's too, gMLP and ELiTA mix them in, as the paper's mixer does), and the whole window runs.
     Its state_dict is the model's, so its checkpoints are ordinary model checkpoints."""
 
     def __init__(self, model, pool='last', padding='right', normalize=True):
@@ -148,9 +147,8 @@ class TextEncoder(torch.nn.Module):
 
 
 class Embedder:
-    """An 'lm' or 'retrieval' checkpoint's TextEncoder (pool and padding '': those it records,
-    else last and right) and tokenizer: texts -> unit embeddings (N, d_model), batched, no grad
-    (normalize=False: raw). info: the checkpoint's entries but its weights and optimizer."""
+    """An 'lm' or 'retrieval' checkpoint's TextEncoder and tokenizer: texts -> unit embeddings
+    (N, d_model), batched, no grad (normalize=False: raw)."""
 
     def __init__(self, ckpt_path, device='auto', dtype='auto', batch_size=32, pool='',
                  padding='', normalize=True):
@@ -245,14 +243,13 @@ class PairBatches:
         all B targets: each query meets the same candidates as in the whole micro-batch."""
         cfg, (queries, targets), B = self.cfg, self.pairs[split], self.cfg['batch_size']
         rng = train.batch_rng(cfg, split, step, micro)
-        match = rng.choice(len(queries), B, replace=False)
+        match = torch.from_numpy(rng.choice(len(queries), B, replace=False))
         mine = slice(shard * B // shards, (shard + 1) * B // shards)
         if cfg['negatives'] == 'inbatch':
             rows, labels = match, torch.arange(B)[mine]
         else:
             gen = torch.Generator().manual_seed(int(rng.integers(2 ** 62)))
-            cands, labels = sample_candidates(torch.from_numpy(match), len(targets), PAPER_N - 1,
-                                              gen)
+            cands, labels = sample_candidates(match, len(targets), PAPER_N - 1, gen)
             rows, labels = cands[mine].flatten().tolist(), labels[mine]
         seqs = [queries[i] for i in match[mine]] + [targets[i] for i in rows]
         return (*pad(seqs, self.n_ctx, self.pad, self.left), labels)
@@ -324,8 +321,7 @@ def retrieval_metrics(score, N, ns, seed):
     retriever scored with one seed meets the same ones. A tie with a negative is a miss."""
     gen = torch.Generator().manual_seed(seed)
     hits, rank = {n: 0 for n in ns}, torch.empty(N, dtype=torch.long)
-    for a in range(0, N, 512):                                     # 512 queries at a time
-        rows = torch.arange(a, min(a + 512, N))
+    for rows in torch.arange(N).split(512):                        # 512 queries at a time
         b = torch.arange(len(rows))
         sim = score(rows).float()                                  # (b, N)
         pos = sim[b, rows]                                         # (b,) the matches
@@ -352,8 +348,7 @@ def bm25_scorer(queries, targets):
     try:
         import bm25s
     except ImportError:
-        raise ValueError("--peer=bm25 needs bm25s, an optional package: pip install bm25s") \
-            from None
+        raise ValueError("BM25 needs bm25s, an optional package: pip install bm25s") from None
     stop = set(bm25s.stopwords.STOPWORDS_EN)                       # the, of, ... (33 words)
     terms = lambda text: [w for w in code_words(text) if w not in stop]  # noqa: E731
     index, corpus = bm25s.BM25(), [terms(t) for t in targets]
@@ -442,8 +437,8 @@ def algorithm1(q_emb, t_emb, match, c, generator):
 def indirect_accuracy(model, q_emb, t_emb, c, seed, device):
     """(mean cross-entropy, top-1 %) with every query of the split once, against c-1 candidates."""
     gen, loss, hits = torch.Generator().manual_seed(seed), 0.0, 0
-    for a in range(0, len(q_emb), 256):
-        x, labels, _ = algorithm1(q_emb, t_emb, torch.arange(a, min(a + 256, len(q_emb))), c, gen)
+    for match in torch.arange(len(q_emb)).split(256):
+        x, labels, _ = algorithm1(q_emb, t_emb, match, c, gen)
         logits, l = model(x.to(device), labels.to(device))
         loss += float(l) * len(labels)
         hits += int((logits.argmax(-1).cpu() == labels).sum())
