@@ -29,7 +29,6 @@ from prepare import Tokenizer, binary, chunks_of, read_pairs, source_lines, visi
 
 TAU = 0.02             # InfoNCE temperature (eq. 8)
 PAPER_N = 32           # --negatives=paper: a query, its target and 30 non-matching ones (§6.3)
-GROUP = 16384          # search embeds this many chunks at a time: Ctrl-C keeps the files done
 
 
 # ----------------------------------------------------------------------------- each command's keys
@@ -517,32 +516,26 @@ def search_index(embedder, files, path, key):
         if held['key'] == key:  # else stale, rebuilt: another checkpoint's, or one trained on
             index = held
     known = {v[0]: v for v in index['files'].values()}  # by sha256, wherever the text was
-    todo, texts = {}, []   # path: (sha256, spans) of the files to embed; their chunks' texts
+    todo = {}   # path: (sha256, spans) of the files to embed
     for f, text in files.items():
         sha = hashlib.sha256(text.encode()).hexdigest()
         if sha in known:
             index['files'][os.path.abspath(f)] = known[sha]
         else:
             todo[f] = sha, chunks_of(f, text, embedder.tok, embedder.n_ctx - 1)  # bos first
-            lines = source_lines(text)
-            texts += [''.join(lines[a - 1:b]) for a, b in todo[f][1]]
     if todo:  # before the embedding: an index is updated in place
         check_output_file(path, 'index', overwrite=True)
-    done = [torch.empty(0, embedder.encoder.model.cfg.d_model)]  # unit rows (chunks, d_model)
-    try:
-        for a in range(0, len(texts), GROUP):
-            done.append(embedder(texts[a:a + GROUP]))
-    finally:  # the files whose chunks are all embedded join the index, after a Ctrl-C too
-        emb = torch.cat(done)
-        for f, (sha, spans) in todo.items():
-            if len(spans) > len(emb):
-                break
-            rows, emb = emb[:len(spans)], emb[len(spans):]
+    try:  # a file at a time: Ctrl-C keeps the files embedded so far
+        for f, (sha, spans) in tqdm(todo.items(), 'embedding', unit='file', leave=False):
+            lines = source_lines(files[f])
+            rows = embedder([''.join(lines[a - 1:b]) for a, b in spans])  # (k, d_model) unit rows
             index['files'][os.path.abspath(f)] = sha, torch.tensor(spans).view(-1, 2), rows
+    finally:
         if todo:  # written back whole, less the files deleted since
             index['files'] = {f: v for f, v in index['files'].items() if os.path.isfile(f)}
             write_atomic(path, lambda out: torch.save(index, out))
-    return {f: index['files'][os.path.abspath(f)] for f in files}, len(texts)
+    return ({f: index['files'][os.path.abspath(f)] for f in files},
+            sum(len(spans) for _, spans in todo.values()))
 
 
 def cmd_search(cfg):

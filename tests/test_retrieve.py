@@ -487,20 +487,19 @@ def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
     assert {os.path.basename(f) for f in kept} == {'d1.py', 'd2.py', 'd3.py', 'more.txt'}
     (tmp_path / 'docs/__init__.py').touch()            # new, but no chunk: nothing to embed
     assert search('anything')[1] == 0
-    for i in (4, 5):   # two new files of 3 chunks, embedded 4 chunks at a time
+    for i in (4, 5):   # two new files of 3 chunks, embedded a file at a time
         (tmp_path / f'docs/d{i}.py').write_text(texts[3].replace('(x)', f'(x{i})'))
-    monkeypatch.setattr(retrieve, 'GROUP', 4)
 
-    def ctrl_c_in_the_second_group(self, seqs):
+    def ctrl_c_in_the_second_file(self, seqs):
         embedded.append(len(seqs))
         if len(embedded) == 2:
             raise KeyboardInterrupt
         return embed(self, seqs)
-    monkeypatch.setattr(retrieve.Embedder, 'embed_tokens', ctrl_c_in_the_second_group)
+    monkeypatch.setattr(retrieve.Embedder, 'embed_tokens', ctrl_c_in_the_second_file)
     embedded.clear()
     code, out, err = run_main(capsys, 'retrieve', 'search', f'--ckpt={corpus.mixer}', docs, index,
                               '--query=x')
-    assert code == 130 and embedded == [4, 2], (embedded, err)
+    assert code == 130 and embedded == [3, 3], (embedded, err)
     monkeypatch.setattr(retrieve.Embedder, 'embed_tokens', counted)
     assert search('anything')[1] == 3                  # d4.py was kept: d5.py's 3 chunks alone
     os.rename(tmp_path / 'docs', tmp_path / 'moved')   # found by its texts: nothing embedded,
