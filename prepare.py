@@ -143,10 +143,12 @@ def eot_documents(path):
 
 def visible_files(folder, skip=()):
     """Every regular file under folder, sorted (a pipe would block a read, a broken link fail it);
-    hidden files and folders, and folders in skip, left out."""
+    hidden files and folders, and those whose name matches a glob of skip, left out."""
+    shown = lambda name: not name.startswith('.') and not any(  # noqa: E731
+        fnmatch.fnmatch(name, glob) for glob in skip)
     for root, dirs, names in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith('.') and d not in skip)
-        paths = (os.path.join(root, n) for n in sorted(names) if not n.startswith('.'))
+        dirs[:] = sorted(filter(shown, dirs))
+        paths = (os.path.join(root, n) for n in sorted(filter(shown, names)))
         yield from filter(os.path.isfile, paths)
 
 

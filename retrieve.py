@@ -82,6 +82,7 @@ SEARCH = dict(
     EMBED,
     ckpt='',
     docs='',                # comma-separated folders and text files
+    exclude='',             # names or globs left out of --docs' folders: venv,*.min.js
     query='',               # the text to look for
     k=5,                    # how many chunks to print
     show=4,                 # lines of each chunk to print
@@ -546,7 +547,7 @@ def cmd_search(cfg):
     for path in filter(None, cfg['docs'].split(',')):  # (a trailing comma names nothing)
         if not os.path.exists(path):
             raise ValueError(f"--docs {path} not found")
-        for f in visible_files(path) if os.path.isdir(path) else [path]:
+        for f in visible_files(path, cfg['exclude'].split(',')) if os.path.isdir(path) else [path]:
             if os.path.isfile(f) and not binary(f):  # (a pipe would block the read)
                 with open(f, encoding='utf-8-sig', errors='replace') as text:
                     files[os.path.normpath(f)] = text.read()  # one file spelled two ways: once
