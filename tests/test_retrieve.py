@@ -504,10 +504,12 @@ def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
     assert search('anything')[1] == 3                  # d4.py was kept: d5.py's 3 chunks alone
     os.rename(tmp_path / 'docs', tmp_path / 'moved')   # found by its texts: nothing embedded,
     docs = docs.replace('/docs', '/moved')             # and nothing written (the index may be
-    check = retrieve.check_output_file                 # read-only): no write check
+    check = retrieve.check_output_file                 # read-only): no write check, no write
     monkeypatch.setattr(retrieve, 'check_output_file', None)
+    written = os.stat(tmp_path / 'i.pt').st_mtime_ns
     out, n = search(wanted.strip() + '\n')
     monkeypatch.setattr(retrieve, 'check_output_file', check)
+    assert os.stat(tmp_path / 'i.pt').st_mtime_ns == written
     assert n == 0 and re.search(r'^1\. 1\.000  \S+/moved/d1\.py:4-5$', out, re.M), out
     ckpt = tmp_path / 'run/ckpt.pt'   # its default index, ckpt.pt.index, follows the checkpoint
     ckpt.parent.mkdir()
