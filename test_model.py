@@ -72,6 +72,14 @@ def test_non_causal_mixer_does_mix_backwards():
     assert torch.count_nonzero(grad[:, 1:]) > 0
 
 
+def test_every_model_key_is_in_a_variant_the_tests_above_run():
+    """A new ModelConfig key fails here until an entry of VARIANTS (tests/conftest.py) sets it:
+    then causality and window == cache cover it. Sizes, causal=False (the control above) and
+    share_ffn (the bidirectional test's) are tested on their own."""
+    keys = {f.name for f in dataclasses.fields(ModelConfig)} - {k for v in VARIANTS for k in v}
+    assert keys == {'vocab_size', 'n_ctx', 'd_model', 'n_layers', 'causal', 'share_ffn'}
+
+
 @pytest.mark.parametrize('variant', VARIANTS, ids=name)
 def test_window_equals_cache_equals_full_forward(variant):
     """The paper's window (re-run whole each step), the cache (one position a step) and the training
