@@ -462,10 +462,11 @@ def race(argv):
 
         python bench.py race [--archs=mixer,llama] [--KEY=VALUE ...] [--ARCH.KEY=VALUE ...]
 
-    Each arch trains through train.py for --max_time seconds of training, evaluation excluded: on
-    a CPU all at once, one thread each, so that they share the machine's load; on a GPU one after
-    another. All evaluate every --eval_seconds of training on the same validation batches:
-    data_dir, n_ctx, batch_size, eval_iters, seed, batch_mode, padding and objective must agree.
+    Each arch trains through train.py for --max_time seconds of training (no step budget, a
+    preset's dropped), evaluation excluded: on a CPU all at once, one thread each, so that they
+    share the machine's load; on a GPU one after another. All evaluate every --eval_seconds of
+    training on the same validation batches: data_dir, n_ctx, batch_size, eval_iters, seed,
+    batch_mode, padding and objective must agree.
 
     A run's train.py keys, later ones winning: the race's (d_model 256, 4 layers, n_ctx 256, batch
     16, 4 evaluation batches: about 10 minutes on 2 CPU cores; lr 5e-3 for mixers, 1.5e-3 for
@@ -473,8 +474,8 @@ def race(argv):
     arch (--data_dir=DIR, --device=cuda); one arch's own (--mixer.d_model=512).
 
     out_dir holds ARCH/ (train.py's run, its ckpt.pt ready for retrieve.py train --init_from),
-    ARCH.out (its console), race.md, race.json (settings, curves, table) and race.png. Ctrl-C
-    stops every run (its checkpoint whole), still writes what was measured and exits 130; a run
+    ARCH.out (its console), race.md, race.json (settings, curves, table) and race.png. Ctrl-C (or
+    a kill) stops every run (its checkpoint whole), still writes what was measured, exits 130; a run
     that fails (diverged, say: see ARCH.out) keeps its evaluations, and the race exits 1.
 
     --n_ctx=64,256,1024 (the paper's fig 4) runs a race per n_ctx, one after another, in
@@ -506,6 +507,7 @@ def race(argv):
     table = markdown(rows, list(rows[0]))
     print(f"\n{table}\n", flush=True)
     write_atomic(os.path.join(folder, 'context.md'), table + '\n')
+    s.interrupted = worst == 130  # the last race drawn stopped short
     n_ctxs = [r['n_ctx'] for r in rows]
     with race_png(s, Path(folder, 'context.png'), 1) as (ax,):
         for a in s.archs:
@@ -550,14 +552,15 @@ def race_cell(s):
     """One race of s (race_settings), written to its out_dir: (its table's rows, exit status)."""
     print(f"race: {', '.join(s.archs)}, {s.max_time:g} s of training each, evaluated every "
           f"{s.eval_seconds:g} s; {s.dev} {s.dtype} ({s.why}); runs in {s.out_dir}", flush=True)
-    curves, status, interrupted = race_runs(s)
+    curves, status, s.interrupted = race_runs(s)
     rows = race_table(curves)
     table = markdown(rows, list(rows[0])) if rows else 'no evaluations'
     print(f"\n{table}\n", flush=True)
     write_atomic(os.path.join(s.out_dir, 'race.md'), table + '\n')
     result = dict(settings=dict(archs=s.archs, max_time=s.max_time, eval_seconds=s.eval_seconds,
                                 device=str(s.dev), dtype=s.dtype, machine=s.machine, runs=s.runs,
-                                status=status, interrupted=interrupted), table=rows, curves=curves)
+                                status=status, interrupted=s.interrupted),
+                  table=rows, curves=curves)
     write_atomic(os.path.join(s.out_dir, 'race.json'), json.dumps(result, indent=1))
     with race_png(s, Path(s.out_dir, 'race.png'), 2) as (by_time, by_tokens):
         for arch, c in curves.items():
@@ -567,10 +570,10 @@ def race_cell(s):
         by_time.set(xlabel='seconds of training (evaluation excluded)', ylabel='validation loss')
         by_tokens.set(xlabel='tokens seen', ylabel='validation loss')
     print(f"wrote {s.out_dir}/race.md, race.json, race.png", flush=True)
-    if interrupted:
+    if s.interrupted:
         print("interrupted: every run stopped; race.md, race.json and race.png hold what was "
               "measured, each run's folder its last checkpoint (if it saved one)", file=sys.stderr)
-    return rows, 130 if interrupted else int(any(status.values()))
+    return rows, 130 if s.interrupted else int(any(status.values()))
 
 
 def race_settings(argv, cell=''):
@@ -593,7 +596,8 @@ def race_settings(argv, cell=''):
     for arch in set(s.archs) - set(ARCHS):
         raise ValueError(f"--archs: {arch!r} is unknown: use one of {', '.join(ARCHS)}")
     assert len(set(s.archs)) == len(s.archs), f"--archs={','.join(s.archs)} names an arch twice"
-    assert set(per_arch) <= set(s.archs), f"--ARCH.KEY for an arch not in --archs: {per_arch}"
+    for arch in set(per_arch) - set(s.archs):
+        raise ValueError(f"--{arch}.KEY: {arch} is not in --archs={','.join(s.archs)}")
     assert s.max_time > 0, f"--max_time={s.max_time:g}: give every arch a budget of seconds > 0"
     presets = s.presets.split(',') if s.presets else []
     assert len(presets) in (0, len(s.archs)), "--presets: one per arch, in --archs order"
@@ -603,9 +607,11 @@ def race_settings(argv, cell=''):
         preset = read_preset(presets[i], dict(TRAIN_DEFAULTS)) if presets else {}
         base = {k: v for k, v in dict(RACE_TRAIN, arch=arch, lr=RACE_LR.get(arch, 1.5e-3)).items()
                 if k not in preset}  # the preset's own values win over the race's
-        forced = dict(out_dir=os.path.join(s.out_dir, arch), max_time=s.max_time,
+        forced = dict(out_dir=os.path.join(s.out_dir, arch), max_time=s.max_time, max_iters=0,
                       eval_seconds=s.eval_seconds, overwrite=True)  # out_dir checked below
         mine = presets[i:i + 1] + shared + per_arch.get(arch, [])
+        clash = [f for f in mine[len(presets[i:i + 1]):] if f[2:].partition('=')[0] in forced]
+        assert not clash, f"{clash[0]}: the race sets it for every run (--max_time: the budget)"
         s.runs[arch] = flags(base) + mine + flags(forced)
         cfgs[arch] = parse_args(s.runs[arch], TRAIN_DEFAULTS, doc, CHOICES)
         assert cfgs[arch]['arch'] == arch, (f"{arch}: its preset sets arch={cfgs[arch]['arch']}: "
@@ -656,6 +662,8 @@ def race_runs(s):
         if p.returncode:
             print(f"  {arch} stopped (exit {p.returncode}): see {s.out_dir}/{arch}.out")
 
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # a kill, a closed terminal: as Ctrl-C, the runs
+        signal.signal(sig, signal.default_int_handler)  # started in sessions of their own stop too
     try:
         for wave in [s.archs] if cpu else [[a] for a in s.archs]:
             for arch in wave:
@@ -714,7 +722,8 @@ def race_png(s, path, panels):
         ax.grid(alpha=0.3)
         ax.legend()
     how = 'at once, 1 thread each' if s.dev.type == 'cpu' else 'one after another'
-    fig.suptitle(f"{s.machine}, {s.dtype}: {s.max_time:g} s of training per model ({how})",
+    stopped = '; interrupted: the last runs trained less' if s.interrupted else ''
+    fig.suptitle(f"{s.machine}, {s.dtype}: {s.max_time:g} s of training per model ({how}){stopped}",
                  fontsize=10)
     write_atomic(path, lambda f: fig.savefig(f, format='png', dpi=80))
 

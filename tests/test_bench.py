@@ -238,9 +238,10 @@ def race_children(out):
 
 
 @pytest.mark.skipif(not os.path.isdir('/proc'), reason='reads /proc')
-def test_race_ctrl_c_leaves_no_child_behind(data, tmp_path):
-    """SIGINT to the race alone stops every run (in sessions of their own, they get it from the
-    race), exits 130 and still writes what was measured."""
+@pytest.mark.parametrize('stop', [signal.SIGINT, signal.SIGTERM], ids=['ctrl-c', 'kill'])
+def test_race_ctrl_c_leaves_no_child_behind(data, tmp_path, stop):
+    """SIGINT (or a kill's SIGTERM) to the race alone stops every run (in sessions of their own,
+    they get SIGINT from the race), exits 130 and still writes what was measured."""
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, 'bench.py'), 'race', *RACE_TINY,
                              f'--data_dir={data}', f'--out_dir={tmp_path}', '--max_time=600',
                              '--eval_seconds=300'], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -255,7 +256,7 @@ def test_race_ctrl_c_leaves_no_child_behind(data, tmp_path):
                                                  for log in logs):
             time.sleep(0.2)
         assert len(race_children(tmp_path)) == 2
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -459,13 +460,14 @@ def test_bench_generate_rate_is_per_decoded_token_per_row(monkeypatch):
 
 def test_race_settings_route_shared_and_per_arch_flags_and_presets(data, tmp_path):
     """--KEY=VALUE reaches every arch and --ARCH.KEY=VALUE its own, winning over the shared one;
-    --presets go one per arch in --archs order."""
+    --presets go one per arch in --archs order. A preset's step budget is dropped: a race is of
+    time (the shipped presets hold 7,000 and 5,000 steps)."""
     for arch, width in (('mixer', 48), ('llama', 64)):
-        (tmp_path / f'{arch}.py').write_text(f"arch = '{arch}'\nd_model = {width}\n")
+        (tmp_path / f'{arch}.py').write_text(f"arch = '{arch}'\nd_model = {width}\nmax_iters = 9\n")
     s = bench.race_settings(['race', f'--data_dir={data}', f'--out_dir={tmp_path}/race',
                              f'--presets={tmp_path}/mixer.py,{tmp_path}/llama.py', '--lr=1e-3',
                              '--llama.lr=2e-3'])
     cfg = {a: configurator.parse_args(s.runs[a], train.DEFAULTS, '', train.CHOICES)
            for a in s.archs}
-    assert [(c['arch'], c['d_model'], c['lr']) for c in cfg.values()] == [
-        ('mixer', 48, 1e-3), ('llama', 64, 2e-3)]
+    assert [(c['arch'], c['d_model'], c['lr'], c['max_iters']) for c in cfg.values()] == [
+        ('mixer', 48, 1e-3, 0), ('llama', 64, 2e-3, 0)]

@@ -214,7 +214,10 @@ REFUSALS = [
     ('bench', ['memory', '--mem_limit=-5'], 'mem_limit'),
     ('bench', ['generate', *BENCH_TINY, '--methods=cache,windw'], 'windw'),  # before any cell
     *[('bench', ['race', '--data_dir={data}', '--out_dir={tmp}/race', '--max_time=1', arg], key)
-      for arg, key in [('--llama.n_heads=3', 'n_heads=3'), ('--eval_iters=0', 'eval_iters')]],
+      for arg, key in [('--llama.n_heads=3', 'n_heads=3'), ('--eval_iters=0', 'eval_iters'),
+                       ('--max_iters=5', '--max_iters=5: the race sets it for every run'),
+                       ('--mixer.max_time=5', '--max_time=5: the race sets it'),
+                       ('--gpt.n_heads=2', 'gpt is not in --archs=mixer,llama')]],
     ('train', ['--out_dir={trained}', '{tmp}/latin1.txt'], 'latin1.txt'),
     ('sample', ['--out_dir={tmp}/none'], '{tmp}/none'),
     ('sample', ['--ckpt={tmp}/cut/ckpt.pt'], '{tmp}/cut/ckpt.pt'),

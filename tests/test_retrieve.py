@@ -596,8 +596,8 @@ def test_search_shows_at_most_a_chunks_lines_and_reuses_an_index_of_relative_pat
     (tmp_path / 'docs/a.py').write_bytes(b'def one(x):\n    return x\n\n\ndef two(y):\n'
                                          b'    return y  # caf\xe9\n')
     (tmp_path / 'docs/venv').mkdir()                   # --exclude: a folder, and files by a glob
-    for name in ('venv/lib.py', 'app.min.js'):
-        (tmp_path / 'docs' / name).write_text('def one(x):\n    return x\n')
+    for left_out in ('venv/lib.py', 'app.min.js'):
+        (tmp_path / 'docs' / left_out).write_text('def one(x):\n    return x\n')
     argv = ['search', f'--ckpt={corpus.mixer}', '--docs=docs,./docs/a.py', '--index=i.pt', '--k=1',
             '--show=9', '--dtype=float32', '--query=def one(x):\n    return x\n',
             '--exclude=venv,*.min.js']
