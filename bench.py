@@ -96,8 +96,8 @@ def settings(argv):
         assert len(s.batch_size) == 1, f"--batch_size: one value in {s.mode}, a list in generate"
         s.batch_size = s.batch_size[0]
     s.dev = resolve_device(s.device)
-    s.torch_dtype, why = ((torch.float32, 'represent inverts in float32') if s.mode == 'represent'
-                          else choose_dtype(s.dev, s.dtype))
+    s.torch_dtype, why = ((torch.float32, f'{s.mode} runs in float32')  # inverts, or reads
+                          if s.mode in ('represent', 'weights') else choose_dtype(s.dev, s.dtype))
     s.device, s.dtype = str(s.dev), str(s.torch_dtype)[6:]  # what runs, as memory cells inherit it
     print(f"{s.mode}: {s.device} {s.dtype} ({why})", file=sys.stderr)
     # every (arch, n_layers, n_ctx) the mode measures: a bad arch or size fails here, before any
