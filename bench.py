@@ -139,7 +139,9 @@ def bench_throughput(s):
             opt.zero_grad(set_to_none=True)
             sync(s.dev)  # the clock stops when the GPU is done
 
-        ms = 1e3 * statistics.median(timeit.repeat(train_step, number=1, repeat=2 + s.repeats)[2:])
+        # gc stays on, as in training (timeit would switch it off)
+        times = timeit.repeat(train_step, 'gc.enable()', number=1, repeat=2 + s.repeats)
+        ms = 1e3 * statistics.median(times[2:])
         tps = s.batch_size * cfg.n_ctx / (ms / 1e3)
         mfu = {'mfu': flops_per_token(cfg) * tps / peak} if peak else {}  # a known GPU's
         yield row(s, cfg, batch_size=s.batch_size, ms_per_step=ms, tokens_per_s=tps, **mfu)
@@ -610,7 +612,8 @@ def race_settings(argv, cell=''):
         forced = dict(out_dir=os.path.join(s.out_dir, arch), max_time=s.max_time, max_iters=0,
                       eval_seconds=s.eval_seconds, overwrite=True)  # out_dir checked below
         mine = presets[i:i + 1] + shared + per_arch.get(arch, [])
-        clash = [f for f in mine[len(presets[i:i + 1]):] if f[2:].partition('=')[0] in forced]
+        clash = [f for f in mine[len(presets[i:i + 1]):]
+                 if f[2:].partition('=')[0].replace('-', '_') in forced]
         assert not clash, f"{clash[0]}: the race sets it for every run (--max_time: the budget)"
         s.runs[arch] = flags(base) + mine + flags(forced)
         cfgs[arch] = parse_args(s.runs[arch], TRAIN_DEFAULTS, doc, CHOICES)
@@ -662,8 +665,8 @@ def race_runs(s):
         if p.returncode:
             print(f"  {arch} stopped (exit {p.returncode}): see {s.out_dir}/{arch}.out")
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # a kill, a closed terminal: as Ctrl-C, the runs
-        signal.signal(sig, signal.default_int_handler)  # started in sessions of their own stop too
+    # a kill (SIGTERM) stops the race as Ctrl-C does, and so the runs, in sessions of their own
+    kill = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         for wave in [s.archs] if cpu else [[a] for a in s.archs]:
             for arch in wave:
@@ -682,6 +685,7 @@ def race_runs(s):
     except KeyboardInterrupt:
         interrupted = True
     finally:  # whatever stopped the race stops the runs left: SIGINT to each one's process group
+        signal.signal(signal.SIGTERM, kill)
         for p in running.values():  # (it exits as after Ctrl-C, its checkpoint whole)
             with contextlib.suppress(ProcessLookupError):  # its group is gone: it ended meanwhile
                 os.killpg(p.pid, signal.SIGINT)

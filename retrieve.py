@@ -507,7 +507,7 @@ def search_index(embedder, files, path, key):
     embeddings (k, d_model))}}. Only texts it lacks are embedded (a moved file is found by sha256),
     then it is written back whole, less deleted files. key: the checkpoint, pool and padding."""
     index = {'key': key, 'files': {}}
-    if os.path.exists(path):
+    if os.path.isfile(path):  # (a folder: refused below, by check_output_file)
         try:
             held = torch.load(path, weights_only=True)
             assert set(held) == {'key', 'files'}
@@ -516,27 +516,27 @@ def search_index(embedder, files, path, key):
                              f"another --index (an index cut short: delete it)") from None
         if held['key'] == key:  # else stale, rebuilt: another checkpoint's, or one trained on
             index = held
-    known = {v[0]: v for v in index['files'].values()}  # by sha256, wherever the text was
-    todo = {}   # path: (sha256, spans) of the files to embed
+    known = {(v[0], f.endswith('.py')): v for f, v in index['files'].items()}  # moved ones too
+    todo, embedded = {}, 0  # path: (sha256, spans) of the files to embed; chunks embedded
     for f, text in files.items():
         sha = hashlib.sha256(text.encode()).hexdigest()
-        if sha in known:
-            index['files'][os.path.abspath(f)] = known[sha]
+        if (sha, f.endswith('.py')) in known:  # (a .py text is cut otherwise: at definitions)
+            index['files'][os.path.abspath(f)] = known[sha, f.endswith('.py')]
         else:
             todo[f] = sha, chunks_of(f, text, embedder.tok, embedder.n_ctx - 1)  # bos first
-    if todo:  # before the embedding: an index is updated in place
+    if any(spans for _, spans in todo.values()):  # before the embedding: updated in place
         check_output_file(path, 'index', overwrite=True)
     try:  # a file at a time: Ctrl-C keeps the files embedded so far
         for f, (sha, spans) in tqdm(todo.items(), 'embedding', unit='file', leave=False):
             lines = source_lines(files[f])
             rows = embedder([''.join(lines[a - 1:b]) for a, b in spans])  # (k, d_model) unit rows
             index['files'][os.path.abspath(f)] = sha, torch.tensor(spans).view(-1, 2), rows
+            embedded += len(spans)
     finally:
-        if todo:  # written back whole, less the files deleted since
+        if embedded:  # changed: written back whole, less the files deleted since
             index['files'] = {f: v for f, v in index['files'].items() if os.path.isfile(f)}
             write_atomic(path, lambda out: torch.save(index, out))
-    return ({f: index['files'][os.path.abspath(f)] for f in files},
-            sum(len(spans) for _, spans in todo.values()))
+    return {f: index['files'][os.path.abspath(f)] for f in files}, embedded
 
 
 def cmd_search(cfg):

@@ -365,7 +365,7 @@ def test_race_sweep_exits_with_its_worst_race(data, tmp_path, monkeypatch):
 
 def test_race_reads_only_whole_log_lines(tmp_path, monkeypatch):
     """A run's log read as it is written: an evaluation cut short at its end waits for the next
-    read (no JSON error)."""
+    read (no JSON error). The race's SIGTERM handler is put back after it (here: pytest's)."""
     class Run:  # a train.py that logged an evaluation and half the next, then exited 0
         returncode, pid = 0, -1  # no process group: os.killpg refuses it (EINVAL)
 
@@ -379,8 +379,10 @@ def test_race_reads_only_whole_log_lines(tmp_path, monkeypatch):
     monkeypatch.setattr(bench.subprocess, 'Popen', Run)
     s = SimpleNamespace(dev=torch.device('cpu'), archs=['mixer'], out_dir=str(tmp_path),
                         runs={'mixer': []})
+    before = signal.getsignal(signal.SIGTERM)
     curves, status, interrupted = bench.race_runs(s)
     assert [e['step'] for e in curves['mixer']] == [0] and status == {'mixer': 0}
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_race_table_seconds_to_each_best():

@@ -216,6 +216,7 @@ REFUSALS = [
     *[('bench', ['race', '--data_dir={data}', '--out_dir={tmp}/race', '--max_time=1', arg], key)
       for arg, key in [('--llama.n_heads=3', 'n_heads=3'), ('--eval_iters=0', 'eval_iters'),
                        ('--max_iters=5', '--max_iters=5: the race sets it for every run'),
+                       ('--max-iters=5', '--max-iters=5: the race sets it'),
                        ('--mixer.max_time=5', '--max_time=5: the race sets it'),
                        ('--gpt.n_heads=2', 'gpt is not in --archs=mixer,llama')]],
     ('train', ['--out_dir={trained}', '{tmp}/latin1.txt'], 'latin1.txt'),

@@ -1,6 +1,7 @@
 """retrieve.py: InfoNCE (eq. 7), the Algorithm 1 samplers, the many-candidate eval, indirect
 retrieval, search, training."""
 import codecs, json, math, os, random, re, shlex, shutil, sys, types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -521,6 +522,34 @@ def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
     code, out, err = run_main(capsys, 'retrieve', 'search', f'--ckpt={corpus.mixer}', docs, index,
                               '--query=x')
     assert code == 0 and '19 chunks in 7 files (19 embedded now)' in out, (out, err)
+
+
+def test_search_index_is_replaced_only_once_something_is_embedded(tmp_path):
+    """Another checkpoint's index (a mistyped --ckpt) stays whole if Ctrl-C comes before the
+    first file is embedded; a .py file's chunks are not reused for the same text in a .txt file
+    (cut otherwise: whole, not at its definitions)."""
+    class Embedder:  # a token a line; Ctrl-C at once, or zero rows
+        tok, n_ctx = types.SimpleNamespace(encode_batch=lambda lines: [[0]] * len(lines)), 64
+
+        def __init__(self, ctrl_c):
+            self.ctrl_c = ctrl_c
+
+        def __call__(self, texts):
+            if self.ctrl_c:
+                raise KeyboardInterrupt
+            return torch.zeros(len(texts), 4)
+    path, text = str(tmp_path / 'i.pt'), 'def f():\n    pass\n\n\ndef g():\n    pass\n'
+    py, txt = str(tmp_path / 'a.py'), str(tmp_path / 'a.txt')
+    torch.save({'key': 'old', 'files': {}}, path)
+    with pytest.raises(KeyboardInterrupt):
+        retrieve.search_index(Embedder(ctrl_c=True), {py: text}, path, 'new')
+    assert torch.load(path, weights_only=True)['key'] == 'old'
+    for f in (py, txt):
+        Path(f).write_text(text)
+    found, n = retrieve.search_index(Embedder(ctrl_c=False), {py: text}, path, 'new')
+    assert found[py][1].tolist() == [[1, 2], [5, 6]] and n == 2
+    found, n = retrieve.search_index(Embedder(ctrl_c=False), {txt: text}, path, 'new')
+    assert found[txt][1].tolist() == [[1, 6]] and n == 1
 
 
 def unit(*shape, seed=0):
