@@ -493,14 +493,14 @@ def test_search_embeds_a_folder_once(corpus, capsys, tmp_path, monkeypatch):
 
     def ctrl_c_in_the_second_file(self, seqs):
         embedded.append(len(seqs))
-        if len(embedded) == 2:
+        if len([n for n in embedded if n]) == 2:  # (the empty __init__.py: a call for no chunk)
             raise KeyboardInterrupt
         return embed(self, seqs)
     monkeypatch.setattr(retrieve.Embedder, 'embed_tokens', ctrl_c_in_the_second_file)
     embedded.clear()
     code, out, err = run_main(capsys, 'retrieve', 'search', f'--ckpt={corpus.mixer}', docs, index,
                               '--query=x')
-    assert code == 130 and embedded == [3, 3], (embedded, err)
+    assert code == 130 and [n for n in embedded if n] == [3, 3], (embedded, err)
     monkeypatch.setattr(retrieve.Embedder, 'embed_tokens', counted)
     assert search('anything')[1] == 3                  # d4.py was kept: d5.py's 3 chunks alone
     os.rename(tmp_path / 'docs', tmp_path / 'moved')   # found by its texts: nothing embedded,
