@@ -568,9 +568,9 @@ def race_cell(s):
         for arch, c in curves.items():
             loss = [r['val_loss'] for r in c]
             by_time.plot([r['time'] for r in c], loss, marker='.', label=arch)
-            by_tokens.plot([r['tokens_seen'] for r in c], loss, marker='.', label=arch)
+            by_tokens.plot([r['tokens_seen'] / 1e6 for r in c], loss, marker='.', label=arch)
         by_time.set(xlabel='seconds of training (evaluation excluded)', ylabel='validation loss')
-        by_tokens.set(xlabel='tokens seen', ylabel='validation loss')
+        by_tokens.set(xlabel='tokens seen (millions)', ylabel='validation loss')
     print(f"wrote {s.out_dir}/race.md, race.json, race.png", flush=True)
     if s.interrupted:
         print("interrupted: every run stopped; race.md, race.json and race.png hold what was "

@@ -171,6 +171,8 @@ REFUSALS = [
     ('prepare', ['wikipedia', OUT], 'wikipedia'),
     ('prepare', ['pystdlib', '--tokenizer=p50k_nope', OUT], 'p50k_nope'),
     ('prepare', ['tinystories', '--pairs=docstring', OUT], 'docstring'),
+    ('prepare', ['tinystories', '--exclude=x', OUT], '--exclude'),  # files of a local corpus
+    ('prepare', ['text', '--input={tmp}/ascii.txt', '--holdout=ascii.txt', OUT], '--pairs'),
     # < 260 + its 94 characters
     ('prepare', ['text', '--input={tmp}/ascii.txt', '--vocab_size=262', OUT], 'vocab_size'),
     ('retrieve', ['frobnicate'], 'frobnicate'), ('retrieve', [*EVAL, '--n=2,32'], '2,32'),
@@ -211,6 +213,7 @@ REFUSALS = [
     # in order, a preset would undo the flag typed before it: refused, not silently applied
     ('train', ['--n_layers=3', '{tmp}/small.py'], 'small.py sets --n_layers, given before it'),
     ('train', [*TRAIN, '--max_time=inf', '--max_iters=0'], 'max_time'),  # it would never end
+    ('train', [*TRAIN, '--max_iters=0'], 'no budget'),
     ('bench', ['memory', '--mem_limit=-5'], 'mem_limit'),
     ('bench', ['generate', *BENCH_TINY, '--methods=cache,windw'], 'windw'),  # before any cell
     *[('bench', ['race', '--data_dir={data}', '--out_dir={tmp}/race', '--max_time=1', arg], key)
@@ -284,6 +287,7 @@ REFUSALS = [
      'json'),
     ('bench', ['throughput', *BENCH_TINY, '--json={tmp}/file/rows.json'], 'json'),
     ('bench', ['race', '--data_dir={data}', '--out_dir={tmp}/file/race'], '{tmp}/file'),
+    ('bench', ['race', '--data_dir={data}', '--out_dir={tmp}/raced'], 'earlier race'),
     # a file that exists (here a checkpoint's name) is replaced only when asked
     ('bench', ['weights', '--ckpt={mixer}', '--out={tmp}/run/ckpt.pt'], '--overwrite'),
     ('retrieve', ['eval', '--ckpt={mixer}', '--pairs={pairs}/pairs_val.jsonl',
@@ -306,6 +310,7 @@ def scratch(tmp_path, data_dir):
                            b'{"query": "a", "target": "b"}\n' * 2 + b'{"query": oops}\n'),
                           ('run/ckpt.pt', b'a long run'), ('run/log.jsonl', b'{"step": 1}\n'),
                           ('run/c4/ckpt.pt', b'a long run'), ('log/log.jsonl', b''),
+                          ('raced/race.json', b'{}'),
                           ('foreign/train.bin', b'not prepare.py\'s: --overwrite to replace')]:
         (tmp_path / name).parent.mkdir(exist_ok=True, parents=True)
         (tmp_path / name).write_bytes(content)
