@@ -143,11 +143,14 @@ def eot_documents(path):
 
 def visible_files(folder, skip=()):
     """Every regular file under folder, sorted (a pipe would block a read, a broken link fail it);
-    hidden files and folders, and those whose name matches a glob of skip, left out."""
+    hidden files and folders, those whose name matches a glob of skip, and the folders nanomixer
+    wrote (prepared data, a run: their pairs and logs are text, but not the user's) left out."""
     shown = lambda name: not name.startswith('.') and not any(  # noqa: E731
         fnmatch.fnmatch(name, glob) for glob in skip)
+    ours = lambda d: any(  # noqa: E731
+        os.path.isfile(os.path.join(d, n)) for n in ('train.bin', 'ckpt.pt'))
     for root, dirs, names in os.walk(folder):
-        dirs[:] = sorted(filter(shown, dirs))
+        dirs[:] = sorted(d for d in dirs if shown(d) and not ours(os.path.join(root, d)))
         paths = (os.path.join(root, n) for n in sorted(filter(shown, names)))
         yield from filter(os.path.isfile, paths)
 
@@ -188,10 +191,10 @@ def matching(rels, patterns, key):
     """rels with a folder or file name matching a glob; a glob matching none is a typo: refused."""
     found = set()
     for pattern in patterns:
-        hits = {rel for rel in rels if fnmatch.filter(rel.split('/'), pattern)}
+        hits = {rel for rel in rels if fnmatch.filter(rel.split('/'), pattern.rstrip('/'))}
         if not hits:
-            raise ValueError(f'--{key} {pattern!r} matches no file or folder of the input: check '
-                             f'its spelling (names and globs, e.g. tests or *.dist-info)')
+            raise ValueError(f'--{key} {pattern!r} matches no file or folder name of the input: '
+                             f'check its spelling (names or globs, not paths: tests, *.dist-info)')
         found |= hits
     return found
 
@@ -603,6 +606,9 @@ def prepare(args):
             'source': {'description': about, **source, 'files': n_files},
             'config': config, 'fingerprint': fingerprint}
     commit(args.out_dir, meta)
+    if pairs and not counts['n_pairs_train']:
+        print(f'warning: --pairs={pairs} found no pairs in this corpus (docstring: documented '
+              f'Python definitions; ict: passages of 3 sentences or more)', file=sys.stderr)
     report = ', '.join(f'{key} {n:,}' for key, n in counts.items())
     if len(splits) == 1:
         report += '; val is the end of the corpus, as the split by key left one split empty'
@@ -613,7 +619,8 @@ DEFAULTS = dict(
     dataset='pystdlib',   # which corpus: see DATASETS (or --help)
     out_dir='',           # '' = data/DATASET
     vocab_size=0,         # BPE pieces; 0 = the dataset's (4096; fineweb-edu, finemath 8000)
-    tokenizer='',         # reuse PATH.model (sentencepiece) or a tiktoken encoding (gpt2, ...)
+    tokenizer='',         # reuse PATH.model (sentencepiece: a file, or a prepared folder's) or
+                          # a tiktoken encoding (gpt2, ...)
     input='',             # text dataset: files, folders or globs, comma-separated
     exclude='',           # leave out the files and folders whose name matches a glob (a,b,...)
     holdout='',           # as exclude, but their pairs go to pairs_heldout.jsonl (a test set)
@@ -648,6 +655,8 @@ def prepare_args(argv):
     if args.holdout and not (args.pairs or DATASETS[args.dataset][3]):
         raise ValueError('--holdout keeps its files\' pairs as a test set: add --pairs=docstring '
                          '(or ict)')
+    if os.path.isdir(args.tokenizer):  # a prepared folder: its tokenizer
+        args.tokenizer = os.path.join(args.tokenizer, 'tokenizer.model')
     if args.tokenizer and args.vocab_size:  # a reused tokenizer brings its own size
         raise ValueError(f'--vocab_size sizes a tokenizer trained here, and --tokenizer='
                          f'{args.tokenizer} brings its own: drop one of them')

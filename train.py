@@ -379,9 +379,11 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
                 rec['mfu'] = round(flops_per_token * tps / (peak * runtime.world), 4)
             mfu = f" | mfu {rec['mfu']:.1%}" if peak else ''
             elapsed = timedelta(seconds=int(time.perf_counter() - began))  # h:mm:ss
+            left = timedelta(seconds=int(train_time / budget_used(cfg, step, train_time)
+                                         - train_time))  # at this pace, evaluation apart
             report(log, f"step {step} | loss {mean_loss:.4f} | lr {lr:.2e} | "
-                   f"{rec['ms_per_step']:.0f} ms/step | {tps:,.0f} tok/s{mfu} | {elapsed} elapsed",
-                   **rec)
+                   f"{rec['ms_per_step']:.0f} ms/step | {tps:,.0f} tok/s{mfu} | {elapsed} elapsed, "
+                   f"{left} left", **rec)
             loss_sum.zero_()
             logged_step, logged_tokens, logged_time = step, tokens_seen, train_time
     if diverged and master:
@@ -401,6 +403,8 @@ def load_checkpoint(path, way_out='train one with train.py, or pass its path'):
     """A checkpoint's dict, on the CPU, after checking that it is one of nanomixer's."""
     if os.path.isdir(path):
         raise ValueError(f"{path} is a folder: pass the checkpoint file in it (ckpt.pt, best.pt)")
+    if os.path.isfile(os.path.dirname(path)):  # --out_dir given a checkpoint file
+        raise ValueError(f"--out_dir={os.path.dirname(path)} is a file: pass the run's folder")
     if not os.path.isfile(path):
         raise ValueError(f"no checkpoint at {path}: {way_out}")
     try:
@@ -445,8 +449,10 @@ def load_meta(data_dir):
     if not os.path.isfile(path):
         name = os.path.basename(os.path.normpath(data_dir))  # a preset's data/NAME: dataset NAME
         dataset = name if name in DATASETS else 'text --input=FILES'  # your own files
+        # a folder or file that exists (your text itself?) is no place for prepare.py to write
+        out = data_dir if name in DATASETS or not os.path.exists(data_dir) else 'data/NAME'
         raise ValueError(f"no prepared data at {data_dir}: run python prepare.py {dataset} "
-                         f"--out_dir={data_dir} (a preset's docstring gives the command), or "
+                         f"--out_dir={out} (a preset's docstring gives the command), or "
                          f"pass --data_dir where it moved")
     try:
         meta = json.loads(Path(path).read_text())

@@ -197,10 +197,13 @@ REFUSALS = [
     ('retrieve', ['eval', '--pairs={pairs}/pairs_val.jsonl'], 'ckpt'),
     ('retrieve', ['train', '--data_dir={pairs}'], 'init_from'),
     ('retrieve', ['search', '--ckpt={mixer}', '--docs={pairs}/pairs_val.jsonl'], 'query'),
+    ('retrieve', ['search', '--ckpt={mixer}', '--docs={pairs}/pairs_val.jsonl', '--query= '],
+     'query'),  # blank
     ('retrieve', ['train', '--init_from={mixer}', '--data_dir={pairs}', '--negatives=paper',
                   '--symmetric=True'], 'symmetric'),
     # input files: missing, empty, unreadable, or not what they should be
     ('train', ['--data_dir={tmp}/nope', OUT], '{tmp}/nope'),
+    ('train', ['--data_dir={tmp}', OUT], '--out_dir=data/NAME'),  # not into the user's own files
     ('train', ['--data_dir={data}', '--out_dir={tmp}/none', '--init_from=resume'], '{tmp}/none'),
     ('train', ['{tmp}/notpreset.py'], 'notpreset.py'),  # a preset holds assignments only
     ('train', ['{tmp}/compare.py'], 'compare.py:2'),  # == for =: not silently skipped
@@ -224,6 +227,7 @@ REFUSALS = [
                        ('--gpt.n_heads=2', 'gpt is not in --archs=mixer,llama')]],
     ('train', ['--out_dir={trained}', '{tmp}/latin1.txt'], 'latin1.txt'),
     ('sample', ['--out_dir={tmp}/none'], '{tmp}/none'),
+    ('sample', ['--out_dir={tmp}/file'], '--out_dir={tmp}/file is a file'),  # not file/ckpt.pt
     ('sample', ['--ckpt={tmp}/cut/ckpt.pt'], '{tmp}/cut/ckpt.pt'),
     ('sample', ['--ckpt={tmp}/retrieval.pt'], 'retrieval'),
     ('sample', ['--ckpt={ae}'], 'autoencoder'),

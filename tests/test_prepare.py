@@ -158,9 +158,9 @@ def test_docstring_and_ict_pairs():
 
 def test_text_dataset_pairs(tmp_path, stdlib_dir, capsys):
     """A folder (binary files skipped, bytes not UTF-8 read as U+FFFD) or a glob becomes documents
-    with their docstring or ICT pairs (a file matched twice: once); a prepared folder inside its
-    input is not read back. Only regular files are read: a pipe would block, a broken link fail
-    (listed, never opened here)."""
+    with their docstring or ICT pairs (a file matched twice: once; none: a warning); --tokenizer
+    takes a prepared folder's; a prepared folder inside its input is not read back. Only regular
+    files are read: a pipe would block, a broken link fail (listed, never opened here)."""
     (tmp_path / 'src').mkdir()
     for i in range(12):
         (tmp_path / f'src/mod{i}.py').write_text(FIXTURE_PY.replace('Stack', f'Stack{i}'))
@@ -177,8 +177,8 @@ def test_text_dataset_pairs(tmp_path, stdlib_dir, capsys):
     # files in this order, so a hash-seeded one would make every rerun look like new inputs
     assert rels == sorted(rels)
     tok = f'--tokenizer={stdlib_dir}/tokenizer.model'
-    args = ['text', f'--input={tmp_path}/src', '--pairs=docstring', tok,
-            f'--out_dir={tmp_path}/src/d']
+    args = ['text', f'--input={tmp_path}/src', '--pairs=docstring', f'--tokenizer={stdlib_dir}',
+            f'--out_dir={tmp_path}/src/d']  # a prepared folder's tokenizer, as its file's
     assert prepare.main(args) == 0
     meta, docs, pairs = read_folder(tmp_path / 'src/d')
     assert meta['train_docs'] + meta['val_docs'] == 25
@@ -186,6 +186,9 @@ def test_text_dataset_pairs(tmp_path, stdlib_dir, capsys):
     assert sorted((p['query'], p['target']) for s in pairs for p in pairs[s]) == sorted(
         p for i in range(12) for p in docstring_pairs(FIXTURE_PY.replace('Stack', f'Stack{i}')))
     assert prepare.main(args) == 0 and 'up to date' in capsys.readouterr().out
+    assert prepare.main(['text', f'--input={tmp_path}/src/*.txt', '--pairs=docstring', tok,
+                         f'--out_dir={tmp_path}/none']) == 0  # prose holds no docstrings
+    assert 'warning: --pairs=docstring found no pairs' in capsys.readouterr().err
     assert prepare.main(['text', f'--input={tmp_path}/src/*.txt', '--pairs=ict', tok,
                          f'--out_dir={tmp_path}/i']) == 0
     meta, docs, pairs = read_folder(tmp_path / 'i')
@@ -206,8 +209,8 @@ def test_exclude_and_holdout(tmp_path, stdlib_dir, capsys):
         for i in range(6):
             code = FIXTURE_PY.replace('Stack', f"Stack{pkg.replace('/', '_')}{i}")
             (tmp_path / 'site' / pkg / f'm{i}.py').write_text(code)
-    args = ['text', f'--input={tmp_path}/site', '--pairs=docstring', '--exclude=tests',
-            f'--tokenizer={stdlib_dir}/tokenizer.model', f'--out_dir={tmp_path}/d']
+    args = ['text', f'--input={tmp_path}/site', '--pairs=docstring', '--exclude=tests/',  # a name
+            f'--tokenizer={stdlib_dir}/tokenizer.model', f'--out_dir={tmp_path}/d']  # may end in /
     assert prepare.main(args + ['--holdout=zhel*']) == 0
     meta, docs, pairs = read_folder(tmp_path / 'd')
     seen = json.dumps([docs, pairs])
@@ -662,9 +665,11 @@ def test_ict_pairs_take_a_passage_of_three_sentences():
 
 
 def test_visible_files_leave_hidden_folders_out(tmp_path):
-    """A hidden folder (.git, say) is not walked, nor a hidden file read; the rest, sorted."""
-    for rel in ('.git/config', 'a/.hidden', 'a/b.txt', 'c.txt'):
-        (tmp_path / rel).parent.mkdir(exist_ok=True)
+    """A hidden folder (.git, say) is not walked, nor a hidden file read, nor the folders nanomixer
+    wrote inside (prepared data, a run: their pairs and logs are text); the rest, sorted."""
+    for rel in ('.git/config', 'a/.hidden', 'a/b.txt', 'c.txt', 'data/text/train.bin',
+                'data/text/pairs_train.jsonl', 'out/ckpt.pt', 'out/log.jsonl'):
+        (tmp_path / rel).parent.mkdir(exist_ok=True, parents=True)
         (tmp_path / rel).write_text('x')
     assert list(prepare.visible_files(str(tmp_path))) == [str(tmp_path / 'c.txt'),
                                                          str(tmp_path / 'a/b.txt')]

@@ -303,7 +303,8 @@ def test_retrieval_mixer_learns_algorithm1_inputs():
 @pytest.mark.parametrize('normalize', [False, True])
 def test_indirect_trains_on_raw_hidden_states(corpus, capsys, tmp_path, monkeypatch, normalize):
     """One RetrievalMixer per c, each an 'indirect' checkpoint under a header line, reading the
-    frozen model's last hidden states as they are (--normalize=True: unit rows x sqrt(d_model))."""
+    frozen model's last hidden states as they are (--normalize=True: unit rows x sqrt(d_model)), of
+    the pairs of the data the model was trained on (no --data_dir given)."""
     seen = []
 
     class Recording(M.RetrievalMixer):
@@ -313,7 +314,7 @@ def test_indirect_trains_on_raw_hidden_states(corpus, capsys, tmp_path, monkeypa
 
     monkeypatch.setattr(retrieve, 'RetrievalMixer', Recording)
     code, out, err = run_main(capsys, 'retrieve', 'indirect', f'--ckpt={corpus.mixer}',
-                              f'--data_dir={corpus.data}', f'--out_dir={tmp_path}/ind', '--c=4,8',
+                              f'--out_dir={tmp_path}/ind', '--c=4,8',
                               '--n_layers=1', '--max_iters=6', '--eval_interval=6',
                               '--eval_iters=1', '--log_interval=2', '--batch_size=16',
                               '--dtype=float32', '--device=cpu', f'--normalize={normalize}',
@@ -347,12 +348,13 @@ def test_indirect_trains_on_raw_hidden_states(corpus, capsys, tmp_path, monkeypa
 
 
 def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
-    """60 InfoNCE steps (mean-pooled, at another temperature) from an untrained LM beat chance 3x;
-    the result is an ordinary model checkpoint that records its pooling, and --init_from=resume
+    """60 InfoNCE steps (mean-pooled, at another temperature) from an untrained LM, on the pairs of
+    the data it was trained on (no --data_dir given), beat chance 3x; the result is an ordinary
+    model checkpoint that records its pooling, and --init_from=resume
     continues it with the run's own keys (only --out_dir and the new budget given), refusing a
     pooling or padding other than the run's."""
     data, mixer, out_dir = corpus.data, corpus.mixer, tmp_path / 'my ret'  # a space: quoted
-    common = [f'--data_dir={data}', f'--out_dir={out_dir}', '--batch_size=16', '--lr=2e-3',
+    common = [f'--out_dir={out_dir}', '--batch_size=16', '--lr=2e-3',
               '--warmup_iters=2', '--eval_interval=20', '--eval_iters=3', '--dtype=float32']
     code, out, err = run_main(capsys, 'retrieve', 'train', f'--init_from={mixer}',
                               '--max_iters=60', '--pool=mean', '--tau=0.05', *common)
@@ -619,7 +621,8 @@ def test_search_shows_at_most_a_chunks_lines_and_reuses_an_index_of_relative_pat
         corpus, capsys, tmp_path, monkeypatch):
     """--show prints a chunk's first lines, never those past its end; --docs given relative to the
     current folder finds its files in the index on the next call (nothing embedded again). A file
-    named as well as found in its folder is one file, read alike (a Latin-1 byte: U+FFFD)."""
+    named as well as found in its folder, by an absolute path or through a link, is one file, read
+    alike (a Latin-1 byte: U+FFFD)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / 'docs').mkdir()
     (tmp_path / 'docs/a.py').write_bytes(b'def one(x):\n    return x\n\n\ndef two(y):\n'
@@ -627,7 +630,9 @@ def test_search_shows_at_most_a_chunks_lines_and_reuses_an_index_of_relative_pat
     (tmp_path / 'docs/venv').mkdir()                   # --exclude: a folder, and files by a glob
     for left_out in ('venv/lib.py', 'app.min.js'):
         (tmp_path / 'docs' / left_out).write_text('def one(x):\n    return x\n')
-    argv = ['search', f'--ckpt={corpus.mixer}', '--docs=docs,./docs/a.py', '--index=i.pt', '--k=1',
+    os.symlink('docs', 'link')
+    docs = f'--docs=docs,./docs/a.py,{tmp_path}/docs/a.py,link'
+    argv = ['search', f'--ckpt={corpus.mixer}', docs, '--index=i.pt', '--k=1',
             '--show=9', '--dtype=float32', '--query=def one(x):\n    return x\n',
             '--exclude=venv,*.min.js']
     code, out, err = run_main(capsys, 'retrieve', *argv)

@@ -295,13 +295,17 @@ def test_lr_schedule():
 
 
 def test_step_line_shows_elapsed_time(data, tmp_path, capsys):
-    """Each step line ends with the wall time so far (no MFU on a CPU); the last line, 2 steps after
+    """Each step line ends with the wall time so far and the training time left at this pace (none
+    at the last step; no MFU on a CPU); the last line, 2 steps after
     the one before, is their mean loss (not a sum over log_interval); --grad_clip=0 trains
     unclipped (not clipped to 0); an unmasked run is warned that its loss measures copying; the
     header counts the tokens of a step's micro-batches."""
     assert train_run(data, tmp_path, '--max_iters=12', '--eval_interval=12', '--grad_clip=0') == 0
-    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('step 5 |')]
-    assert len(lines) == 1 and re.search(r'tok/s \| \d:\d\d:\d\d elapsed$', lines[0])
+    out = capsys.readouterr().out.splitlines()
+    lines = [l for l in out if l.startswith('step 5 |')]
+    assert len(lines) == 1 and re.search(r'tok/s \| \d:\d\d:\d\d elapsed, \d:\d\d:\d\d left$',
+                                         lines[0])
+    assert [l for l in out if l.startswith('step 12 |')][0].endswith('elapsed, 0:00:00 left')
     logged, evals = records(tmp_path, 'loss'), records(tmp_path, 'val_loss')
     assert [r['step'] for r in logged] == [5, 10, 12]
     # the mean of steps 11-12 is near that of 6-10 (a sum over log_interval would be 2/5 of it)
