@@ -13,9 +13,9 @@ MODE is one of
   race        archs trained for the same wall-clock budget by train.py, val loss vs time as a
               table and a picture (python bench.py race --help: its own keys)
 
---archs, --n_ctx and --n_layers take comma lists and every mode runs their product (--batch_size
-too, in generate). Sizes default per mode (`MODE --help` lists them), minutes each on 2 CPU
-cores; --full swaps in the paper's grid; the command line wins over both. The paper's memory
+--archs, --n_ctx and --n_layers take comma lists and every mode but race runs their product
+(--batch_size too, in generate). Sizes default per mode (`MODE --help` lists them), minutes each on
+2 CPU cores; --full swaps in the paper's grid; the command line wins over both. The paper's memory
 settings: --batch_size=16 --n_heads=32.
 """
 import contextlib, importlib.util, inspect, json, os, platform, re, resource, signal, statistics
@@ -80,10 +80,10 @@ FULL = {  # --full: the paper's settings (or the README's headline ones)
 
 def settings(argv):
     """argv's settings: DEFAULTS, its mode's sizes (the paper's with --full), then argv itself."""
-    s = parse_args(argv, DEFAULTS, __doc__, BENCH_CHOICES, 'mode', MODE_DEFAULTS)
-    if s['full']:  # parsed again so that argv's own values still win over the paper's
-        full = {mode: dict(MODE_DEFAULTS.get(mode, {}), **FULL[mode]) for mode in FULL}
-        s = parse_args(argv, DEFAULTS, __doc__, BENCH_CHOICES, 'mode', full)
+    bare = [a for a in argv if a not in ('-h', '--help')]  # --full first, so --help shows its sizes
+    full = parse_args(bare, DEFAULTS, __doc__, BENCH_CHOICES, 'mode', MODE_DEFAULTS)['full']
+    sizes = {m: dict(MODE_DEFAULTS.get(m, {}), **FULL[m]) for m in FULL} if full else MODE_DEFAULTS
+    s = parse_args(argv, DEFAULTS, __doc__, BENCH_CHOICES, 'mode', sizes)  # argv's values win
     if s['mode'] == 'race':  # given as --mode=race: race reads its own keys
         raise ValueError("race takes its own keys: write it first, python bench.py race ...")
     assert s['repeats'] >= 1, f"--repeats={s['repeats']}: use 1 or more"
