@@ -80,10 +80,10 @@ FULL = {  # --full: the paper's settings (or the README's headline ones)
 
 def settings(argv):
     """argv's settings: DEFAULTS, its mode's sizes (the paper's with --full), then argv itself."""
-    bare = [a for a in argv if a not in ('-h', '--help')]  # --full first, so --help shows its sizes
-    full = parse_args(bare, DEFAULTS, __doc__, BENCH_CHOICES, 'mode', MODE_DEFAULTS)['full']
-    sizes = {m: dict(MODE_DEFAULTS.get(m, {}), **FULL[m]) for m in FULL} if full else MODE_DEFAULTS
-    s = parse_args(argv, DEFAULTS, __doc__, BENCH_CHOICES, 'mode', sizes)  # argv's values win
+    s = parse_args(argv, DEFAULTS, __doc__, BENCH_CHOICES, 'mode', MODE_DEFAULTS)
+    if s['full']:  # parsed again so that argv's own values still win over the paper's
+        full = {mode: dict(MODE_DEFAULTS.get(mode, {}), **FULL[mode]) for mode in FULL}
+        s = parse_args(argv, DEFAULTS, __doc__, BENCH_CHOICES, 'mode', full)
     if s['mode'] == 'race':  # given as --mode=race: race reads its own keys
         raise ValueError("race takes its own keys: write it first, python bench.py race ...")
     assert s['repeats'] >= 1, f"--repeats={s['repeats']}: use 1 or more"

@@ -43,7 +43,7 @@ EMBED = dict(  # Embedder's arguments, every command's
                             # paper's §6.1); '': the checkpoint's (else right)
 )
 FIT = dict(train.LOOP_DEFAULTS, **EMBED, warmup_iters=20, eval_interval=100, eval_iters=10,
-           data_dir='')  # holds pairs_train.jsonl and pairs_val.jsonl; '': the checkpoint's
+           data_dir='')  # holds pairs_train.jsonl and pairs_val.jsonl; '': the checkpoint's data
 TRAIN = dict(
     FIT,
     init_from='',           # train.py's ckpt.pt or best.pt, or resume (continue out_dir/ckpt.pt)
@@ -152,8 +152,6 @@ class Embedder:
 
     def __init__(self, ckpt_path, device='auto', dtype='auto', batch_size=32, pool='',
                  padding='', normalize=True):
-        if batch_size < 1:
-            raise ValueError(f"--batch_size={batch_size}: use 1 or more")
         ckpt = train.load_checkpoint(ckpt_path)
         self.info = {k: v for k, v in ckpt.items() if k not in ('model', 'optimizer')}
         if ckpt['kind'] not in ('lm', 'retrieval'):
@@ -221,11 +219,6 @@ def info_nce(q, t, labels, symmetric=False, tau=TAU):
 
 # ----------------------------------------------------------------------------- InfoNCE training
 
-def pairs_folder(ckpt):
-    """--data_dir's default: the folder of the pairs (or the data) the checkpoint was trained on."""
-    return ckpt.get('pairs_dir') or ckpt['data']['data_dir']
-
-
 class PairBatches:
     """get_batch for InfoNCE: (idx (M, n_ctx), mask, labels), the B queries in the first rows and
     their candidate targets after them: B targets (inbatch) or B groups of 31 (paper, Algorithm 1
@@ -269,7 +262,7 @@ def cmd_train(cfg):
     path = os.path.join(cfg['out_dir'], 'ckpt.pt') if resuming else cfg['init_from']
     embedder = Embedder(path, 'cpu', pool=cfg['pool'], padding=cfg['padding'])  # fit: device
     src, encoder, n_ctx = embedder.info, embedder.encoder, embedder.n_ctx
-    cfg['data_dir'] = cfg['data_dir'] or pairs_folder(src)
+    cfg['data_dir'] = cfg['data_dir'] or src['data']['data_dir']  # the pairs of the model's data
     if resuming and src['kind'] != 'retrieval':
         raise ValueError(f"{path} is of kind {src['kind']!r}, not one of retrieve.py train's: "
                          f"use another --out_dir, or replace it: --init_from=CKPT --overwrite")
@@ -454,7 +447,7 @@ def indirect_accuracy(model, q_emb, t_emb, c, seed, device):
 def cmd_indirect(cfg):
     """Frozen embeddings, a RetrievalMixer per c (paper §6.2): how much retrieval the pretrained
     embeddings carry, without changing the model that made them."""
-    cfg['data_dir'] = cfg['data_dir'] or pairs_folder(train.load_checkpoint(cfg['ckpt']))
+    cfg['data_dir'] = cfg['data_dir'] or train.load_checkpoint(cfg['ckpt'])['data']['data_dir']
     pairs = {s: read_pairs(os.path.join(cfg['data_dir'], f'pairs_{s}.jsonl')) for s in train.SPLITS}
     most = min(len(pairs[s][0]) for s in pairs) + 1     # the query and every target (as eval's n)
     cs = sorted({min(c, most) for c in int_list(cfg['c'], 'c', low=3)})
@@ -534,8 +527,7 @@ def search_index(embedder, files, path, key):
     if any(spans for _, spans in todo.values()):  # before the embedding: updated in place
         check_output_file(path, 'index', overwrite=True)
     try:  # a file at a time: Ctrl-C keeps the files embedded so far
-        for f, (sha, spans) in tqdm(todo.items(), 'embedding', unit='file', leave=False,
-                                    disable=None):  # (None: no bar where stderr is no terminal)
+        for f, (sha, spans) in tqdm(todo.items(), 'embedding', unit='file', leave=False):
             lines = source_lines(files[f])
             rows = embedder([''.join(lines[a - 1:b]) for a, b in spans])  # (k, d_model) unit rows
             index['files'][os.path.abspath(f)] = sha, torch.tensor(spans).view(-1, 2), rows
@@ -551,16 +543,14 @@ def cmd_search(cfg):
     """The chunks of --docs (functions, methods, runs of lines) nearest the query."""
     embedder = Embedder(cfg['ckpt'], **{k: cfg[k] for k in EMBED})
     assert cfg['k'] >= 1 and cfg['show'] >= 0, "--k: 1 chunk or more; --show: 0 lines or more"
-    files, seen = {}, set()  # path: text, read as prepare.py reads (binary, hidden: left out)
+    files = {}   # path: text, read as prepare.py reads; binary files, hidden ones, pipes left out
     for path in filter(None, cfg['docs'].split(',')):  # (a trailing comma names nothing)
         if not os.path.exists(path):
             raise ValueError(f"--docs {path} not found")
         for f in visible_files(path, cfg['exclude'].split(',')) if os.path.isdir(path) else [path]:
-            real = os.path.realpath(f)  # one file reached two ways (a link, ../): searched once
-            if real not in seen and os.path.isfile(f) and not binary(f):  # (a pipe would block)
-                seen.add(real)
+            if os.path.isfile(f) and not binary(f):  # (a pipe would block the read)
                 with open(f, encoding='utf-8-sig', errors='replace') as text:
-                    files[os.path.normpath(f)] = text.read()
+                    files[os.path.normpath(f)] = text.read()  # one file spelled two ways: once
     with open(cfg['ckpt'], 'rb') as f:
         key = ' '.join([hashlib.file_digest(f, 'sha256').hexdigest(), embedder.encoder.pool,
                         embedder.encoder.padding])
@@ -616,6 +606,7 @@ def run(argv):
         if not str(cfg[example.split('=')[0]]).strip():  # (a blank query too)
             raise ValueError(f"retrieve.py {argv[0]} needs --{example} (see python retrieve.py "
                              f"{argv[0]} --help)")
+    assert cfg['batch_size'] >= 1, f"--batch_size={cfg['batch_size']}: use 1 or more"
     if cfg.get('json'):  # before the work that fills it
         check_output_file(cfg['json'], 'json', cfg['overwrite'])
     return command(cfg)
