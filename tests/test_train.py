@@ -227,13 +227,21 @@ def test_max_time_is_honoured(data, tmp_path):
     assert lrs == sorted(lrs, reverse=True) and lrs[-1] < 0.5e-2
 
 
-def test_divergence_stops_and_keeps_last_checkpoint(data, tmp_path, capsys):
+def test_divergence_stops_and_keeps_last_checkpoint(data, tmp_path, capsys, monkeypatch):
+    """A training loss that blows up, or an evaluation that does (a val batch the step's batches
+    never met), stops the run with status 1, naming the step of the checkpoint it keeps whole."""
     assert train_run(data, tmp_path, '--max_iters=10', '--eval_interval=10') == 0
     before = (tmp_path / 'ckpt.pt').read_bytes()
     assert train_run(data, tmp_path, '--max_iters=40', '--eval_interval=10', '--lr=1e30',
                      '--grad_clip=0', '--init_from=resume') == 1
     err = capsys.readouterr().err  # names the step it kept
     assert 'error:' in err and 'step 10' in err and ('nan' in err or 'inf' in err)
+    assert (tmp_path / 'ckpt.pt').read_bytes() == before
+    monkeypatch.setattr(train, 'evaluate', lambda *args: {'train': 3.0, 'val': float('inf')})
+    assert train_run(data, tmp_path, '--max_iters=40', '--eval_interval=10',
+                     '--init_from=resume') == 1
+    err = capsys.readouterr().err
+    assert 'error: the evaluation loss is' in err and 'step 10' in err
     assert (tmp_path / 'ckpt.pt').read_bytes() == before
 
 
