@@ -146,9 +146,9 @@ def visible_files(folder, skip=()):
     hidden files and folders, those whose name matches a glob of skip, and the folders nanomixer
     wrote (prepared data, a run: their pairs and logs are text, but not the user's) left out."""
     shown = lambda name: not name.startswith('.') and not any(  # noqa: E731
-        fnmatch.fnmatch(name, glob) for glob in skip)
-    ours = lambda d: any(  # noqa: E731
-        os.path.isfile(os.path.join(d, n)) for n in ('train.bin', 'ckpt.pt'))
+        fnmatch.fnmatch(name, glob.rstrip('/')) for glob in skip)
+    ours = lambda d: prepared(d) or all(  # noqa: E731
+        os.path.isfile(os.path.join(d, n)) for n in ('ckpt.pt', 'log.jsonl'))
     for root, dirs, names in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if shown(d) and not ours(os.path.join(root, d)))
         paths = (os.path.join(root, n) for n in sorted(filter(shown, names)))
@@ -606,9 +606,10 @@ def prepare(args):
             'source': {'description': about, **source, 'files': n_files},
             'config': config, 'fingerprint': fingerprint}
     commit(args.out_dir, meta)
-    if pairs and not counts['n_pairs_train']:
-        print(f'warning: --pairs={pairs} found no pairs in this corpus (docstring: documented '
-              f'Python definitions; ict: passages of 3 sentences or more)', file=sys.stderr)
+    if pairs and not (counts['n_pairs_train'] and counts['n_pairs_val']):  # retrieval needs both
+        print(f'warning: --pairs={pairs} made {counts["n_pairs_train"]} train and '
+              f'{counts["n_pairs_val"]} val pairs (docstring: of documented Python definitions; '
+              f'ict: of passages of 3 sentences or more)', file=sys.stderr)
     report = ', '.join(f'{key} {n:,}' for key, n in counts.items())
     if len(splits) == 1:
         report += '; val is the end of the corpus, as the split by key left one split empty'

@@ -43,7 +43,7 @@ EMBED = dict(  # Embedder's arguments, every command's
                             # paper's §6.1); '': the checkpoint's (else right)
 )
 FIT = dict(train.LOOP_DEFAULTS, **EMBED, warmup_iters=20, eval_interval=100, eval_iters=10,
-           data_dir='')  # holds pairs_train.jsonl and pairs_val.jsonl; '': the checkpoint's data
+           data_dir='')  # holds pairs_train.jsonl and pairs_val.jsonl; '': the checkpoint's
 TRAIN = dict(
     FIT,
     init_from='',           # train.py's ckpt.pt or best.pt, or resume (continue out_dir/ckpt.pt)
@@ -262,7 +262,7 @@ def cmd_train(cfg):
     path = os.path.join(cfg['out_dir'], 'ckpt.pt') if resuming else cfg['init_from']
     embedder = Embedder(path, 'cpu', pool=cfg['pool'], padding=cfg['padding'])  # fit: device
     src, encoder, n_ctx = embedder.info, embedder.encoder, embedder.n_ctx
-    cfg['data_dir'] = cfg['data_dir'] or src['data']['data_dir']  # the pairs of the model's data
+    cfg['data_dir'] = cfg['data_dir'] or src.get('pairs_dir') or src['data']['data_dir']
     if resuming and src['kind'] != 'retrieval':
         raise ValueError(f"{path} is of kind {src['kind']!r}, not one of retrieve.py train's: "
                          f"use another --out_dir, or replace it: --init_from=CKPT --overwrite")
@@ -447,7 +447,8 @@ def indirect_accuracy(model, q_emb, t_emb, c, seed, device):
 def cmd_indirect(cfg):
     """Frozen embeddings, a RetrievalMixer per c (paper §6.2): how much retrieval the pretrained
     embeddings carry, without changing the model that made them."""
-    cfg['data_dir'] = cfg['data_dir'] or train.load_checkpoint(cfg['ckpt'])['data']['data_dir']
+    src = train.load_checkpoint(cfg['ckpt'])  # its pairs (a retrieval one's), else its data's
+    cfg['data_dir'] = cfg['data_dir'] or src.get('pairs_dir') or src['data']['data_dir']
     pairs = {s: read_pairs(os.path.join(cfg['data_dir'], f'pairs_{s}.jsonl')) for s in train.SPLITS}
     most = min(len(pairs[s][0]) for s in pairs) + 1     # the query and every target (as eval's n)
     cs = sorted({min(c, most) for c in int_list(cfg['c'], 'c', low=3)})

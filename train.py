@@ -379,8 +379,9 @@ def fit(cfg, runtime, model, get_batch, loss_fn, ckpt_extra, resume=None, flops_
                 rec['mfu'] = round(flops_per_token * tps / (peak * runtime.world), 4)
             mfu = f" | mfu {rec['mfu']:.1%}" if peak else ''
             elapsed = timedelta(seconds=int(time.perf_counter() - began))  # h:mm:ss
-            left = timedelta(seconds=int(train_time / budget_used(cfg, step, train_time)
-                                         - train_time))  # at this pace, evaluation apart
+            done = budget_used(cfg, step, train_time)  # the rest at this interval's pace
+            pace = interval_t / (done - budget_used(cfg, logged_step, logged_time))
+            left = timedelta(seconds=int(max(0.0, 1 - done) * pace))  # evaluation apart
             report(log, f"step {step} | loss {mean_loss:.4f} | lr {lr:.2e} | "
                    f"{rec['ms_per_step']:.0f} ms/step | {tps:,.0f} tok/s{mfu} | {elapsed} elapsed, "
                    f"{left} left", **rec)
@@ -403,8 +404,8 @@ def load_checkpoint(path, way_out='train one with train.py, or pass its path'):
     """A checkpoint's dict, on the CPU, after checking that it is one of nanomixer's."""
     if os.path.isdir(path):
         raise ValueError(f"{path} is a folder: pass the checkpoint file in it (ckpt.pt, best.pt)")
-    if os.path.isfile(os.path.dirname(path)):  # --out_dir given a checkpoint file
-        raise ValueError(f"--out_dir={os.path.dirname(path)} is a file: pass the run's folder")
+    if os.path.isfile(os.path.dirname(path)):  # --out_dir given a checkpoint file, say
+        raise ValueError(f"{os.path.dirname(path)} is a file, not a run's folder")
     if not os.path.isfile(path):
         raise ValueError(f"no checkpoint at {path}: {way_out}")
     try:

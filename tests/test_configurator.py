@@ -227,7 +227,7 @@ REFUSALS = [
                        ('--gpt.n_heads=2', 'gpt is not in --archs=mixer,llama')]],
     ('train', ['--out_dir={trained}', '{tmp}/latin1.txt'], 'latin1.txt'),
     ('sample', ['--out_dir={tmp}/none'], '{tmp}/none'),
-    ('sample', ['--out_dir={tmp}/file'], '--out_dir={tmp}/file is a file'),  # not file/ckpt.pt
+    ('sample', ['--out_dir={tmp}/file'], '{tmp}/file is a file'),  # not "no {tmp}/file/ckpt.pt"
     ('sample', ['--ckpt={tmp}/cut/ckpt.pt'], '{tmp}/cut/ckpt.pt'),
     ('sample', ['--ckpt={tmp}/retrieval.pt'], 'retrieval'),
     ('sample', ['--ckpt={ae}'], 'autoencoder'),

@@ -188,7 +188,7 @@ def test_text_dataset_pairs(tmp_path, stdlib_dir, capsys):
     assert prepare.main(args) == 0 and 'up to date' in capsys.readouterr().out
     assert prepare.main(['text', f'--input={tmp_path}/src/*.txt', '--pairs=docstring', tok,
                          f'--out_dir={tmp_path}/none']) == 0  # prose holds no docstrings
-    assert 'warning: --pairs=docstring found no pairs' in capsys.readouterr().err
+    assert 'warning: --pairs=docstring made 0 train and 0 val pairs' in capsys.readouterr().err
     assert prepare.main(['text', f'--input={tmp_path}/src/*.txt', '--pairs=ict', tok,
                          f'--out_dir={tmp_path}/i']) == 0
     meta, docs, pairs = read_folder(tmp_path / 'i')
@@ -664,15 +664,16 @@ def test_ict_pairs_take_a_passage_of_three_sentences():
     assert len(list(ict_pairs(' '.join(sentences[:8]), 'doc'))) == 1
 
 
-def test_visible_files_leave_hidden_folders_out(tmp_path):
+def test_visible_files_leave_hidden_folders_out(tmp_path, stdlib_dir):
     """A hidden folder (.git, say) is not walked, nor a hidden file read, nor the folders nanomixer
     wrote inside (prepared data, a run: their pairs and logs are text); the rest, sorted."""
-    for rel in ('.git/config', 'a/.hidden', 'a/b.txt', 'c.txt', 'data/text/train.bin',
-                'data/text/pairs_train.jsonl', 'out/ckpt.pt', 'out/log.jsonl'):
+    for rel in ('.git/config', 'a/.hidden', 'a/b.txt', 'c.txt', 'out/ckpt.pt', 'out/log.jsonl',
+                'nanogpt/train.bin', 'nanogpt/prepare.py'):  # (another project's data: read)
         (tmp_path / rel).parent.mkdir(exist_ok=True, parents=True)
         (tmp_path / rel).write_text('x')
-    assert list(prepare.visible_files(str(tmp_path))) == [str(tmp_path / 'c.txt'),
-                                                         str(tmp_path / 'a/b.txt')]
+    shutil.copytree(stdlib_dir, tmp_path / 'data')  # prepared: its pairs are text
+    assert list(prepare.visible_files(str(tmp_path))) == [
+        str(tmp_path / p) for p in ('c.txt', 'a/b.txt', 'nanogpt/prepare.py', 'nanogpt/train.bin')]
 
 
 def test_matching_takes_every_glob():

@@ -349,10 +349,10 @@ def test_indirect_trains_on_raw_hidden_states(corpus, capsys, tmp_path, monkeypa
 
 def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     """60 InfoNCE steps (mean-pooled, at another temperature) from an untrained LM, on the pairs of
-    the data it was trained on (no --data_dir given), beat chance 3x; the result is an ordinary
-    model checkpoint that records its pooling, and --init_from=resume
-    continues it with the run's own keys (only --out_dir and the new budget given), refusing a
-    pooling or padding other than the run's."""
+    the data it was trained on (no --data_dir given; from a retrieval checkpoint, the pairs it was
+    trained on), beat chance 3x; the result is an ordinary model checkpoint that records its
+    pooling, and --init_from=resume continues it with the run's own keys (only --out_dir and the
+    new budget given), refusing a pooling or padding other than the run's."""
     data, mixer, out_dir = corpus.data, corpus.mixer, tmp_path / 'my ret'  # a space: quoted
     common = [f'--out_dir={out_dir}', '--batch_size=16', '--lr=2e-3',
               '--warmup_iters=2', '--eval_interval=20', '--eval_iters=3', '--dtype=float32']
@@ -384,6 +384,14 @@ def test_short_train_learns_retrieval_and_resumes(corpus, capsys, tmp_path):
     assert ckpt['init_from'] == os.path.abspath(mixer)   # the run's start, not its own ckpt.pt
     assert {k: ckpt['config'][k] for k in ('data_dir', 'batch_size', 'lr', 'tau', 'max_iters')} == \
         dict(data_dir=str(data), batch_size=16, lr=2e-3, tau=0.05, max_iters=70)
+    (tmp_path / 'pairs').mkdir()  # from a retrieval checkpoint: the pairs it was trained on
+    for split in ('train', 'val'):
+        shutil.copy(data / f'pairs_{split}.jsonl', tmp_path / 'pairs')
+    torch.save({**ckpt, 'pairs_dir': str(tmp_path / 'pairs')}, tmp_path / 'ret.pt')
+    code, out, err = run_main(capsys, 'retrieve', 'train', f'--init_from={tmp_path}/ret.pt',
+                              f'--out_dir={tmp_path}/again', '--max_iters=1', '--eval_iters=1',
+                              '--batch_size=16', '--dtype=float32')
+    assert code == 0 and f"--pairs={tmp_path}/pairs/pairs_val.jsonl" in out, err
 
 
 def test_retrieval_ddp_row_shards_equal_one_process(corpus, capsys, tmp_path):
