@@ -196,6 +196,10 @@ REFUSALS = [
     ('retrieve', [*EVAL, '--batch_size=0'], 'batch_size=0'),
     ('retrieve', ['eval', '--pairs={pairs}/pairs_val.jsonl'], 'ckpt'),
     ('retrieve', ['train', '--data_dir={pairs}'], 'init_from'),
+    # --data_dir, when given, is read, not the pairs of the checkpoint's data
+    *[('retrieve', [cmd, key, '--data_dir={tmp}/empty', '--out_dir={tmp}/fit', '--max_iters=1'],
+       '{tmp}/empty/pairs_train.jsonl') for cmd, key in [('train', '--init_from={mixer}'),
+                                                         ('indirect', '--ckpt={mixer}')]],
     ('retrieve', ['search', '--ckpt={mixer}', '--docs={pairs}/pairs_val.jsonl'], 'query'),
     ('retrieve', ['search', '--ckpt={mixer}', '--docs={pairs}/pairs_val.jsonl', '--query= '],
      'query'),  # blank
@@ -204,6 +208,9 @@ REFUSALS = [
     # input files: missing, empty, unreadable, or not what they should be
     ('train', ['--data_dir={tmp}/nope', OUT], '{tmp}/nope'),
     ('train', ['--data_dir={tmp}', OUT], '--out_dir=data/NAME'),  # not into the user's own files
+    ('train', ['--data_dir={tmp}/ascii.txt', OUT], '--out_dir=data/NAME'),  # nor onto their text
+    # a preset's folder (there or not) is where its prepare command writes
+    ('train', ['--data_dir={tmp}/pystdlib', OUT], 'prepare.py pystdlib --out_dir={tmp}/pystdlib'),
     ('train', ['--data_dir={data}', '--out_dir={tmp}/none', '--init_from=resume'], '{tmp}/none'),
     ('train', ['{tmp}/notpreset.py'], 'notpreset.py'),  # a preset holds assignments only
     ('train', ['{tmp}/compare.py'], 'compare.py:2'),  # == for =: not silently skipped
@@ -319,6 +326,7 @@ def scratch(tmp_path, data_dir):
         (tmp_path / name).parent.mkdir(exist_ok=True, parents=True)
         (tmp_path / name).write_bytes(content)
     (tmp_path / 'empty').mkdir()
+    (tmp_path / 'pystdlib').mkdir()  # unprepared
     (tmp_path / 'cut').mkdir()
     torch.save({'model': {'w': torch.zeros(1000)}}, tmp_path / 'cut/ckpt.pt')
     os.truncate(tmp_path / 'cut/ckpt.pt', 1000)  # as a kill -9 during a save leaves it

@@ -562,6 +562,16 @@ def test_search_index_is_replaced_only_once_something_is_embedded(tmp_path):
     assert found[txt][1].tolist() == [[1, 6]] and n == 1
 
 
+def test_search_index_refuses_another_file_without_advising_to_delete_it(tmp_path):
+    """A file that is not an index (a checkpoint given as --index, say) is refused as such, and the
+    message does not tell the user to delete it: it may be their checkpoint."""
+    path = str(tmp_path / 'ckpt.pt')
+    torch.save({'kind': 'lm', 'model': {}}, path)
+    with pytest.raises(ValueError, match='not a readable search index') as e:
+        retrieve.search_index(None, {}, path, 'key')  # refused before anything is embedded
+    assert 'delete' not in str(e.value)
+
+
 def unit(*shape, seed=0):
     return F.normalize(torch.randn(*shape, generator=torch.Generator().manual_seed(seed),
                                    dtype=torch.float64), dim=-1)

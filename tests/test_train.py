@@ -328,6 +328,22 @@ def test_step_line_shows_elapsed_time(data, tmp_path, capsys):
     assert '256 tokens per step' in out.out  # the header: 4 rows x 2 micro-steps x n_ctx 32
 
 
+def test_step_line_time_left_is_the_rest_of_the_budget_at_this_pace(data, tmp_path, capsys,
+                                                                    monkeypatch):
+    """The time left is the training time the rest of the budget takes at the pace so far: on a
+    clock where each step takes 10 s, 20 steps leave 150 s after 5 (not the total, 200 s); a time
+    budget overshot by the last step leaves none (not a negative time)."""
+    ticks = iter(range(0, 10 ** 6, 10))  # each reading 10 s after the last; a step reads its
+    # start and its end, back to back: 10 s of training time each
+    monkeypatch.setattr(train, 'time', types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    assert train_run(data, tmp_path, '--max_iters=20', '--eval_interval=20') == 0
+    left = [l.split(', ')[-1] for l in capsys.readouterr().out.splitlines() if ' left' in l]
+    assert left == ['0:02:30 left', '0:01:40 left', '0:00:50 left', '0:00:00 left']
+    assert train_run(data, tmp_path / 'timed', '--max_iters=0', '--max_time=195') == 0
+    left = [l.split(', ')[-1] for l in capsys.readouterr().out.splitlines() if ' left' in l]
+    assert left[-1] == '0:00:00 left', left
+
+
 @pytest.mark.parametrize('argv,says', [
     ([], ['config/demo.py', 'GPU']),
     (['config/tinystories_mixer.py'], ['python prepare.py tinystories']),
