@@ -180,7 +180,7 @@ class TokenMixing(nn.Module):
     def forward(self, x, pos=0, cache=None, mask=None):  # (B, T, d) -> (B, T, d)
         t = x.shape[1]  # (B, T, H * c) -> (B, H, T, c)
         x = self.proj_in(x).unflatten(-1, (self.heads, -1)).transpose(1, 2)
-        if cache is not None:  # the inputs at [0, pos) from earlier calls
+        if cache is not None:  # earlier calls' inputs at [0, pos), then these at [pos, pos + t)
             x = cache.extend(self.mix, x, pos)
         x = self.mix(x, pos, max(0, min(self.m, pos + t) - pos))  # e < 1: no rows past e * n
         if self.mix2 is not None:  # e > 1: hidden rows >= n_ctx are never read under the mask

@@ -28,7 +28,7 @@ DEFAULTS = dict(
     top_k=0,                # keep the k most likely tokens; 0 = keep all
     top_p=1.0,              # nucleus sampling mass in (0, 1]; 1 = off
     seed=1337,              # the same seed gives the same samples
-    method='cache',         # cache (exact, O(n^2 d) per window) | window (the paper's, O(n^3 d))
+    method='cache',         # cache (the window's logits, to rounding; O(n^2 d)) | window (O(n^3 d))
     compile=False,          # torch.compile the cached step (GPU: as CUDA graphs), after a warm-up
     device='auto',          # auto = cuda if available, else cpu
     dtype='auto',           # auto: fp32 on a CPU; on a GPU the trained dtype (fp16 if not native)
