@@ -46,7 +46,7 @@ DEFAULTS = dict(
     vocab_size=4096,        # the paper's TinyStories tokenizer size
     full=False,             # the paper's sizes (slow on a CPU)
     device='auto',          # auto (cuda if present), cpu or cuda[:i]
-    dtype='auto',           # autocast (auto: as train.py); generate casts weights; represent: fp32
+    dtype='auto',           # autocast (auto: as train.py); generate casts weights (as sample.py)
     seed=0,
     json='',                # write every row to this JSON file
     repeats=3,              # timed runs of a throughput or generate cell; its row: their median
@@ -97,7 +97,8 @@ def settings(argv):
         s.batch_size = s.batch_size[0]
     s.dev = resolve_device(s.device)
     s.torch_dtype, why = ((torch.float32, f'{s.mode} runs in float32')  # inverts, or reads
-                          if s.mode in ('represent', 'weights') else choose_dtype(s.dev, s.dtype))
+                          if s.mode in ('represent', 'weights') else  # generate: as sample.py
+                          choose_dtype(s.dev, s.dtype, reading=s.mode == 'generate'))
     s.device, s.dtype = str(s.dev), str(s.torch_dtype)[6:]  # what runs, as memory cells inherit it
     print(f"{s.mode}: {s.device} {s.dtype} ({why})", file=sys.stderr)
     # every (arch, n_layers, n_ctx) the mode measures: a bad arch or size fails here, before any
@@ -128,6 +129,7 @@ def bench_throughput(s):
         xy = torch.randint(cfg.vocab_size, (s.batch_size, cfg.n_ctx + 1), generator=gen).to(s.dev)
         torch.manual_seed(s.seed)
         model = build_model(cfg).to(s.dev).train()
+        torch._dynamo.reset()  # each cell's model, one more graph: stay under the recompile limit
         step = torch.compile(model) if s.compile else model
         opt = configure_optimizer(model, 1e-4, 0.01)
 
@@ -230,8 +232,7 @@ def bench_generate(s):
     for cfg in s.cfgs:
         torch.manual_seed(s.seed)
         model = decode_layout(build_model(cfg).to(s.dev, s.torch_dtype).eval())
-        if s.compile:  # each model's step is one more graph: stay under the recompile limit
-            torch._dynamo.reset()
+        torch._dynamo.reset()  # each cell's step, one more graph: stay under the recompile limit
         step = compiled_step(model) if s.compile else None
         for batch in s.batch_size:
             prompt = torch.randint(cfg.vocab_size, (batch, s.prompt), generator=gen).to(s.dev)
@@ -432,6 +433,7 @@ def run(argv):
     s = settings(argv)
     if s.json:
         check_output_file(s.json, 'json', s.overwrite)
+        write_atomic(s.json, '[]')  # replaced now: an interrupt leaves no earlier run's rows
     rows = []
     for r in MEASURE[s.mode](s):
         print(markdown([r], list(r)[1:], head=not rows), flush=True)  # every key but the mode

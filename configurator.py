@@ -77,6 +77,9 @@ def read_preset(path, cfg):
         raise ValueError(f"{path} is a checkpoint, not a preset: pass it as --ckpt={path}")
     if ('=' in path or path[:1] == '-') and not os.path.exists(path):  # max_iters=3, -max_iters
         raise ValueError(f"{path} is no preset file: a flag is written --{path.lstrip('-')}")
+    if not path.endswith('.py') and not os.path.exists(path):  # --n_ctx=128 256, --prompt a b
+        raise ValueError(f"{path!r} stands alone: a list takes commas (--n_ctx=128,256), a text "
+                         f"with spaces quotes (--prompt='def main'); a preset is a .py file")
     try:
         tree = ast.parse(read_text_file(path, 'preset file (see config/)'), path)
     except SyntaxError as e:

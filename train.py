@@ -112,7 +112,7 @@ def choose_dtype(device, requested='auto', recorded=None, reading=False):
                   f"times slower than float32 (--dtype=float32)", file=sys.stderr)
         return getattr(torch, requested), 'as asked'
     if reading and not cuda:
-        return torch.float32, 'a CPU reads checkpoints in float32'
+        return torch.float32, 'a CPU decodes and embeds in float32'
     if native.get(recorded):
         return getattr(torch, recorded), f'the {recorded} of the run it continues'
     if cuda:

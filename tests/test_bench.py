@@ -25,8 +25,11 @@ def tokens(vocab, shape=(2, 16)):
 
 def test_bench_throughput_json_holds_each_row_as_it_finishes(tmp_path, monkeypatch, capsys):
     """An interrupt after two rows leaves both in --json, and printed under one table header; a
-    row's tokens/s follows from its ms/step (no MFU on a CPU: no datasheet peak)."""
-    build = bench.build_model
+    row's tokens/s follows from its ms/step (no MFU on a CPU: no datasheet peak). Each cell's model
+    compiles afresh (torch's recompile limit would turn later cells eager). A file --overwrite
+    replaces holds none of its earlier rows, even if the run stops before its first."""
+    build, resets = bench.build_model, []
+    monkeypatch.setattr(torch._dynamo, 'reset', lambda: resets.append(1))
 
     def build_or_stop(cfg):
         if cfg.n_ctx == 32:
@@ -41,6 +44,10 @@ def test_bench_throughput_json_holds_each_row_as_it_finishes(tmp_path, monkeypat
     for r in rows:
         assert 'mfu' not in r
         assert r['tokens_per_s'] == pytest.approx(2 * r['n_ctx'] / (r['ms_per_step'] / 1e3))
+    assert len(resets) == 2
+    code, out, err = run_main(capsys, 'bench', 'throughput', '--archs=mixer', *BENCH_TINY,
+                              '--n_ctx=32', f'--json={tmp_path}/r.json', '--overwrite')
+    assert code == 130 and json.loads((tmp_path / 'r.json').read_text()) == []
 
 
 def test_bench_grid_is_archs_by_layers_by_ctx_and_n_heads_reaches_every_attention_arch():
@@ -116,6 +123,7 @@ def test_bench_generate_methods_and_batches():
     """window at the first batch size, cache at each (by default batch 1 and 16); every row a
     decoding rate."""
     assert bench.settings(['generate']).batch_size == [1, 16]
+    assert bench.settings(['generate', '--device=cpu']).dtype == 'float32'  # as sample.py's
     rows = bench.main(['generate', '--archs=mixer,llama', *BENCH_TINY, '--batch_size=1,3',
                        '--prompt=4', '--new_tokens=6'])
     runs = (('window', 1), ('cache', 1), ('cache', 3))

@@ -220,6 +220,8 @@ REFUSALS = [
     ('train', ['--overwite'], 'did you mean --overwrite'),  # a flag's typo, not "needs a value"
     ('train', ['-max_iters=3'], 'a flag is written --max_iters=3'),  # not "preset not found"
     ('train', ['-q'], '-q is no preset file: a flag is written --q'),
+    ('bench', ['throughput', '--n_ctx=128', '256'], "'256' stands alone: a list takes commas"),
+    ('sample', ['--prompt', 'def', 'main'], "'main' stands alone"),  # unquoted text
     # in order, a preset would undo the flag typed before it: refused, not silently applied
     ('train', ['--n_layers=3', '{tmp}/small.py'], 'small.py sets --n_layers, given before it'),
     ('train', [*TRAIN, '--max_time=inf', '--max_iters=0'], 'max_time'),  # it would never end
